@@ -1,0 +1,1 @@
+"""The OpenAI edge: request parsing, errors and response shapes."""

@@ -1,0 +1,222 @@
+"""Parse and check an OpenAI completion request before anything is dispatched.
+
+Checks the fields the gateway itself relies on (model, prompt or messages,
+stream, max_tokens, sampling numbers, routing controls); everything else is
+forwarded to the instance untouched, so new OpenAI fields keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.api.errors import ApiError
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+PRESET_HEADER = "X-Route-Preset"
+WEIGHTS_HEADER = "X-Route-Weights"
+BUDGET_HEADER = "X-Route-Budget-USD"
+WEIGHT_KEYS = ("quality", "latency", "cost")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingOptions:
+    """Per-request routing controls; None means "use the configured default"."""
+
+    preset: str | None = None
+    weights: tuple[float, float, float] | None = None  # quality, latency, cost
+    budget_usd: float | None = None
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    chat: bool
+    body: dict  # the client's body, minus our own "routing" field
+    model: str
+    stream: bool
+    include_usage: bool  # the client asked for the usage chunk
+    prompt_text: str  # what estimators see: the last user turn, or the prompt
+    max_tokens: int | None
+    routing: RoutingOptions
+
+
+def parse_body(raw: bytes) -> dict:
+    if not raw:
+        raise ApiError(400, "request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_number(body: dict, name: str, lo: float, hi: float) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if not _is_number(v):
+        raise ApiError(400, f"'{name}' must be a number", name)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
+
+
+def _text_of(content, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ApiError(400, "each content part must be an object with a 'type'", f"{param}[{j}]")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(400, "a text part needs a string 'text'", f"{param}[{j}].text")
+                out.append(part["text"])
+        return "".join(out)
+    raise ApiError(400, "'content' must be a string or a list of content parts", param)
+
+
+def _chat_prompt(body: dict) -> str:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    last_user = ""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, "each message must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"'role' must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
+        text = _text_of(m.get("content"), f"messages[{i}].content")
+        if role == "user":
+            last_user = text
+    return last_user or text
+
+
+def _completion_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "'prompt' must be a string (token arrays and batches are not routed)", "prompt")
+    return prompt
+
+
+def _parse_weights(raw, param: str) -> tuple[float, float, float]:
+    if isinstance(raw, str):  # header form: quality=0.6,latency=0.2,cost=0.2
+        parsed = {}
+        for item in filter(None, (p.strip() for p in raw.split(","))):
+            key, sep, value = item.partition("=")
+            try:
+                parsed[key.strip()] = float(value) if sep else None
+            except ValueError:
+                parsed[key.strip()] = None
+        raw = parsed
+    if not isinstance(raw, dict):
+        raise ApiError(400, "weights must be an object like {\"quality\": 0.6, \"latency\": 0.2, \"cost\": 0.2}", param)
+    unknown = set(raw) - set(WEIGHT_KEYS)
+    if unknown:
+        raise ApiError(400, f"unknown weight {sorted(unknown)[0]!r}; use quality, latency, cost", param)
+    values = []
+    for key in WEIGHT_KEYS:
+        v = raw.get(key, 0.0)
+        if not _is_number(v) or v < 0:
+            raise ApiError(400, f"weight '{key}' must be a number >= 0", param)
+        values.append(float(v))
+    total = sum(values)
+    if total <= 0:
+        raise ApiError(400, "weights must not all be zero", param)
+    return tuple(v / total for v in values)  # type: ignore[return-value]
+
+
+def _parse_budget(raw, param: str) -> float:
+    if isinstance(raw, str):
+        try:
+            raw = float(raw)
+        except ValueError:
+            raise ApiError(400, "budget must be a number of USD", param) from None
+    if not _is_number(raw) or raw != raw or raw < 0:
+        raise ApiError(400, "budget must be a number of USD >= 0", param)
+    return float(raw)
+
+
+def parse_routing(body_routing, headers: Mapping[str, str], presets) -> RoutingOptions:
+    """Routing controls from the body's "routing" object and the X-Route-* headers; the body wins."""
+    if body_routing is None:
+        body_routing = {}
+    if not isinstance(body_routing, dict):
+        raise ApiError(400, "'routing' must be an object", "routing")
+    unknown = set(body_routing) - {"preset", "weights", "budget_usd"}
+    if unknown:
+        raise ApiError(400, f"unknown routing field {sorted(unknown)[0]!r}", "routing")
+
+    preset = body_routing.get("preset", headers.get(PRESET_HEADER))
+    if preset is not None and (not isinstance(preset, str) or preset not in presets):
+        raise ApiError(400, f"unknown preset {preset!r}; known: {', '.join(presets)}", "routing.preset")
+    if "weights" in body_routing:
+        weights = _parse_weights(body_routing["weights"], "routing.weights")
+    elif WEIGHTS_HEADER in headers:
+        weights = _parse_weights(headers[WEIGHTS_HEADER], WEIGHTS_HEADER)
+    else:
+        weights = None
+    if "budget_usd" in body_routing:
+        budget = _parse_budget(body_routing["budget_usd"], "routing.budget_usd")
+    elif BUDGET_HEADER in headers:
+        budget = _parse_budget(headers[BUDGET_HEADER], BUDGET_HEADER)
+    else:
+        budget = None
+    return RoutingOptions(preset, weights, budget)
+
+
+def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets) -> CompletionRequest:
+    body = parse_body(raw)
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is required", "model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must be a non-empty string", "model")
+    prompt_text = _chat_prompt(body) if chat else _completion_prompt(body)
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    include_usage = bool(stream and options and options.get("include_usage") is True)
+
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ApiError(400, f"'{name}' must be an integer >= 1", name)
+        max_tokens = v if max_tokens is None else min(max_tokens, v)
+
+    _check_number(body, "temperature", 0.0, 2.0)
+    _check_number(body, "top_p", 0.0, 1.0)
+    _check_number(body, "frequency_penalty", -2.0, 2.0)
+    _check_number(body, "presence_penalty", -2.0, 2.0)
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ApiError(400, "'n' must be an integer >= 1", "n")
+
+    routing = parse_routing(body.pop("routing", None), headers, presets)
+    return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing)

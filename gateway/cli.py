@@ -1,0 +1,106 @@
+"""`routebalance` command line: serve | emulate | up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.config import ConfigError, ConfigStore, default_config_path
+
+log = logging.getLogger("routebalance")
+
+
+async def start_gateway(store: ConfigStore, host: str | None = None, port: int | None = None):
+    """Start the gateway's HTTP server; returns (gateway, runner) for the caller to stop."""
+    from gateway.server import Gateway, build_app
+
+    gateway = Gateway(store)
+    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    cfg = store.current.server
+    site = web.TCPSite(runner, host or cfg.host, port or cfg.port, backlog=1024, reuse_address=True)
+    await site.start()
+    log.info("gateway listening on http://%s:%d/v1", host or cfg.host, port or cfg.port)
+    return gateway, runner
+
+
+async def start_emulator(config):
+    from gateway.emulator.server import EmulatedPool
+
+    pool = EmulatedPool(config)
+    await pool.start()
+    log.info("emulating %d vLLM instances (%s)", len(pool.instances),
+             ", ".join(f"{n}@{h}:{p}" for n in pool.instances for h, p in [pool.address(n)]))
+    return pool
+
+
+async def run(args) -> int:
+    try:
+        store = ConfigStore(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    pool = runner = None
+    try:
+        if args.command in ("emulate", "up"):
+            pool = await start_emulator(store.current)
+        if args.command in ("serve", "up"):
+            gateway, runner = await start_gateway(store, args.host, args.port)
+            loop.add_signal_handler(signal.SIGHUP, lambda: gateway.reload("SIGHUP"))
+        if args.command == "up":
+            server = store.current.server
+            print(f"RouteBalance gateway on http://{args.host or server.host}:{args.port or server.port}/v1 "
+                  f"in front of {len(store.current.instances)} emulated instances. Ctrl-C stops both.", flush=True)
+        await stop.wait()
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if runner:
+            await runner.cleanup()
+        if pool:
+            await pool.stop()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="routebalance", description="Quality-, latency- and cost-aware gateway for vLLM pools")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    helps = {
+        "serve": "run the gateway in front of the pool in the config",
+        "emulate": "serve the config's instances as emulated vLLM servers",
+        "up": "emulator and gateway together: try the gateway in one command",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", type=Path, default=default_config_path(),
+                       help="config TOML (default: the built-in 13-instance emulated pool)")
+        if name != "emulate":
+            p.add_argument("--host", help="listen address (default: [server].host)")
+            p.add_argument("--port", type=int, help="listen port (default: [server].port)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvloop
+
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(run(args))
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The pool emulator: every configured instance served as a vLLM-compatible
+HTTP server on its own loopback port, all from one process.
+
+One ticker advances every engine to the loop's clock. It wakes at the next
+step end of any busy engine, but no more often than `tick_s`, so the CPU cost
+stays flat however many instances and streams there are; a stream that falls
+behind gets several tokens in one SSE event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import urlsplit
+
+import orjson
+from aiohttp import web
+
+from gateway.emulator.instance import EmulatedInstance
+from gateway.emulator.outputs import OutputLengths, approx_prompt_tokens, filler_text, prompt_key
+from gateway.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.engine.profiles import arch_for
+
+CHAT_TEMPLATE_TOKENS = 3  # per message: role marker and separators, as chat templates add
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+INSTANCE_KEY = web.AppKey("instance", EmulatedInstance)
+POOL_KEY = web.AppKey("pool", object)
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _prompt_of(body: dict, chat: bool) -> tuple[str, int]:
+    """The prompt text (for the length lookup) and its token count."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("'messages' must be a non-empty list", "messages")
+        parts = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(content if isinstance(content, str) else "")
+        # The workload keys labels by the last user turn, which is what a router sees as "the prompt".
+        text = parts[-1]
+        return text, sum(approx_prompt_tokens(p) for p in parts) + CHAT_TEMPLATE_TOKENS * len(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _BadRequest("'prompt' must be a string", "prompt")
+    return prompt, approx_prompt_tokens(prompt)
+
+
+async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
+    inst = request.app[INSTANCE_KEY]
+    pool: EmulatedPool = request.app[POOL_KEY]
+    if inst.faults.added_latency_s:
+        await asyncio.sleep(inst.faults.added_latency_s)
+    if inst.should_fail():
+        return _error(500, "injected fault", "InternalServerError")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return _error(400, "body is not valid JSON")
+    if not isinstance(body, dict):
+        return _error(400, "body must be a JSON object")
+    if body.get("model") not in (None, inst.model):
+        return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+    try:
+        text, prompt_tokens = _prompt_of(body, chat)
+    except _BadRequest as e:
+        return _error(400, str(e), param=e.param)
+    if body.get("n", 1) != 1:
+        return _error(400, "only n=1 is supported", param="n")
+    limit = inst.engine.spec.max_model_len
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = limit - prompt_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return _error(400, "max_tokens must be a positive integer", param="max_tokens")
+    if prompt_tokens + max_tokens > limit:
+        return _error(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
+            param="max_tokens",
+        )
+    stream = bool(body.get("stream"))
+    include_usage = bool(stream and isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"))
+
+    rid = inst.new_request_id("chatcmpl" if chat else "cmpl")
+    loop_now = asyncio.get_running_loop().time()
+    output_tokens = pool.lengths.for_prompt(text, inst.model)
+    seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens, now=loop_now)
+    pool.kick()
+    text_seed = int(prompt_key(text)[:8], 16)
+    created = int(time.time())
+    try:
+        if not stream:
+            while not seq.finished:
+                await wake.wait()
+                wake.clear()
+            return web.Response(body=orjson.dumps(_full_body(chat, rid, created, inst.model, seq, text_seed)), content_type="application/json")
+        return await _stream(request, chat, rid, created, inst.model, seq, wake, text_seed, include_usage)
+    finally:
+        inst.release(seq, asyncio.get_running_loop().time())
+        pool.kick()
+
+
+def _usage(seq) -> dict:
+    return {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + seq.generated, "completion_tokens": seq.generated}
+
+
+def _full_body(chat: bool, rid: str, created: int, model: str, seq, text_seed: int) -> dict:
+    text = filler_text(text_seed, 0, seq.generated)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                  "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(seq)}
+
+
+async def _stream(request, chat, rid, created, model, seq, wake, text_seed, include_usage) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": rid, "object": obj, "created": created, "model": model}
+    if chat:
+        await resp.write(_sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}))
+    sent = 0
+    while True:
+        await wake.wait()
+        wake.clear()
+        n = seq.generated
+        if n > sent or seq.finished:
+            piece = filler_text(text_seed, sent, n - sent)
+            reason = seq.finish_reason if seq.finished else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+            await resp.write(_sse({**head, "choices": [choice]}))
+            sent = n
+        if seq.finished:
+            break
+    if include_usage:
+        await resp.write(_sse({**head, "choices": [], "usage": _usage(seq)}))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _chat(request):
+    return await _completion(request, chat=True)
+
+
+async def _completions(request):
+    return await _completion(request, chat=False)
+
+
+async def _models(request):
+    inst = request.app[INSTANCE_KEY]
+    card = {"id": inst.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+            "root": inst.model, "parent": None, "max_model_len": inst.engine.spec.max_model_len}
+    return web.json_response({"object": "list", "data": [card]}, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def _health(request):
+    return web.Response(status=200)
+
+
+async def _metrics(request):
+    return web.Response(body=request.app[INSTANCE_KEY].render_metrics(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _instance_app(inst: EmulatedInstance, pool: EmulatedPool) -> web.Application:
+    app = web.Application(client_max_size=8 * 1024 * 1024)
+    app[INSTANCE_KEY] = inst
+    app[POOL_KEY] = pool
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+class EmulatedPool:
+    """All emulated instances, their HTTP sites and the ticker that drives them."""
+
+    def __init__(self, config, *, lengths: OutputLengths | None = None):
+        self.config = config
+        loop_now = asyncio.get_running_loop().time()
+        seed = config.emulator.seed
+        self.instances = {c.name: EmulatedInstance(c, now=loop_now, seed=seed) for c in config.instances}
+        means = {c.model: arch_for(c.model).mean_output_tokens for c in config.instances}
+        self.lengths = lengths or OutputLengths(means, seed=seed)
+        self.tick_s = config.emulator.tick_s
+        self._runners: dict[str, web.AppRunner] = {}
+        self._sites: dict[str, web.TCPSite] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._last_tick = loop_now
+
+    async def start(self) -> None:
+        for name, inst in self.instances.items():
+            runner = web.AppRunner(_instance_app(inst, self), handler_cancellation=True, access_log=None)
+            await runner.setup()
+            self._runners[name] = runner
+            if not inst.faults.down:
+                await self._open(name)
+
+    async def stop(self) -> None:
+        if self._timer:
+            self._timer.cancel()
+        for runner in self._runners.values():
+            await runner.cleanup()
+
+    def address(self, name: str) -> tuple[str, int]:
+        parts = urlsplit(self.instances[name].cfg.url)
+        return parts.hostname or "127.0.0.1", parts.port or 80
+
+    async def _open(self, name: str) -> None:
+        host, port = self.address(name)
+        site = web.TCPSite(self._runners[name], host, port, reuse_address=True)
+        await site.start()
+        self._sites[name] = site
+
+    async def set_faults(self, name: str, *, error_rate: float | None = None, added_latency_s: float | None = None, down: bool | None = None) -> None:
+        """Change an instance's fault knobs. Going down closes its port; coming up reopens it."""
+        inst = self.instances[name]
+        if error_rate is not None:
+            inst.faults.error_rate = error_rate
+        if added_latency_s is not None:
+            inst.faults.added_latency_s = added_latency_s
+        if down is not None and down != inst.faults.down:
+            inst.faults.down = down
+            if down:
+                site = self._sites.pop(name)
+                await site.stop()
+            else:
+                await self._open(name)
+
+    # ---- ticker ------------------------------------------------------------
+    def kick(self) -> None:
+        """Something changed (a request came or went): make sure the ticker wakes in time."""
+        self._schedule()
+
+    def _schedule(self) -> None:
+        ends = [e for e in (i.engine.next_step_end() for i in self.instances.values()) if e is not None]
+        if not ends:
+            return
+        at = max(min(ends), self._last_tick + self.tick_s)
+        if at < self._timer_at - 1e-4:
+            if self._timer:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_at(at, self._tick)
+            self._timer_at = at
+
+    def _tick(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        now = asyncio.get_running_loop().time()
+        self._last_tick = now
+        for inst in self.instances.values():
+            if inst.engine.busy:
+                inst.deliver(inst.engine.advance(now))
+        self._schedule()
+

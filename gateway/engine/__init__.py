@@ -1,0 +1,1 @@
+"""The shared continuous-batching instance model (functional core) and its hardware profiles."""

@@ -1,0 +1,301 @@
+"""A continuous-batching LLM engine model, shaped after vLLM's scheduler.
+
+Functional core: no I/O, no clock. Callers pass time in. The pool emulator
+drives it in real time and the simulator in virtual time, so both see the
+same queueing, batching and preemption.
+
+One step = one forward pass over every running sequence: decoding sequences
+gain one token, newly admitted sequences prefill (chunked by the token budget)
+and emit their first token when the prefill completes. The step time model is
+that of a memory-bound decode:
+
+    step = tpot * (1 + batch_slope * (n_seqs - 1) + kv_read_per_token * kv_tokens)
+           + prefill_s_per_token * prefill_tokens
+
+so a lone sequence decodes at exactly `tpot` (the tier's static prior), more
+sequences cost a little more each (throughput saturates at 1 / (tpot *
+batch_slope) tokens/s), and long contexts add the cost of reading their KV.
+When a decode step cannot get a KV block, the most recently admitted sequence
+is preempted by recompute: its blocks are freed and it returns to the head of
+the waiting queue, to prefill prompt and generated tokens again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    tpot_s: float
+    batch_slope: float
+    kv_read_per_token: float
+    prefill_s_per_token: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+
+
+class Sequence:
+    """One request inside the engine. Times are engine times (seconds)."""
+
+    __slots__ = (
+        "rid", "prompt_tokens", "max_tokens", "target_tokens", "arrival",
+        "generated", "computed", "first_scheduled", "first_token_time",
+        "finish_time", "finish_reason", "preemptions", "prefill_done_time",
+    )
+
+    def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float):
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        # The answer the model would give, cut by max_tokens: that cut is finish_reason "length".
+        self.target_tokens = max(1, min(output_tokens, max_tokens))
+        self.arrival = arrival
+        self.generated = 0
+        self.computed = 0  # tokens of (prompt + generated) whose KV is in the cache
+        self.first_scheduled: float | None = None
+        self.prefill_done_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.preemptions = 0
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens the next forward pass must process: 1 while decoding, more while prefilling."""
+        return self.context - self.computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What happened during one `advance` call, for metrics and streaming."""
+
+    progressed: list[Sequence] = field(default_factory=list)  # got tokens (or finished), each once
+    finished: list[Sequence] = field(default_factory=list)
+    inter_token: list[tuple[float, int]] = field(default_factory=list)  # (gap seconds, decode tokens)
+    prompt_tokens: int = 0  # prefill tokens computed (recomputes included, as vLLM counts them)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class _Plan:
+    start: float
+    end: float
+    admitted: list[Sequence]
+    work: list[tuple[Sequence, int]]  # (sequence, tokens it processes this step)
+    decoding: int  # sequences processing exactly their last sampled token
+    preempted: list[Sequence]
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, now: float = 0.0):
+        self.spec = spec
+        self.clock = now  # end of the last step, or when the engine last went idle
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._by_id: dict[object, Sequence] = {}
+        self._plan: _Plan | None = None  # cached until state changes
+
+    # ---- queries ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def blocks_used(self) -> int:
+        size = self.spec.block_size
+        return sum(-(-s.computed // size) for s in self.running)
+
+    def kv_usage(self) -> float:
+        return min(1.0, self.blocks_used() / self.spec.num_gpu_blocks)
+
+    def get(self, rid) -> Sequence | None:
+        return self._by_id.get(rid)
+
+    def next_step_end(self) -> float | None:
+        """When the next step would complete, or None if there is nothing to run."""
+        plan = self._planned()
+        return plan.end if plan else None
+
+    # ---- commands ----------------------------------------------------------
+    def add(self, rid, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float) -> Sequence:
+        if rid in self._by_id:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        if prompt_tokens + max_tokens > self.spec.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds max_model_len {self.spec.max_model_len}"
+            )
+        if not self.busy:
+            self.clock = max(self.clock, now)
+        seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0))
+        self.waiting.append(seq)
+        self._by_id[rid] = seq
+        self._plan = None
+        return seq
+
+    def abort(self, rid, now: float) -> Sequence | None:
+        """Drop a request (client went away). Returns it, marked 'abort', or None if unknown or done."""
+        seq = self._by_id.pop(rid, None)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.finish_reason = "abort"
+        seq.finish_time = max(now, self.clock)
+        self._plan = None
+        return seq
+
+    def advance(self, until: float) -> StepReport:
+        """Run every step that completes by `until`."""
+        report = StepReport()
+        seen: set[int] = set()
+        while True:
+            plan = self._planned()
+            if plan is None or plan.end > until:
+                break
+            self._commit(plan, report, seen)
+        if not self.busy:
+            self.clock = max(self.clock, until)
+        return report
+
+    # ---- internals ---------------------------------------------------------
+    def _planned(self) -> _Plan | None:
+        if self._plan is None and self.busy:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> _Plan | None:
+        spec = self.spec
+        size = spec.block_size
+        start = self.clock
+
+        def new_blocks(s: Sequence, tokens: int) -> int:
+            return -(-(s.computed + tokens) // size) - (-(-s.computed // size))
+
+        # Running sequences keep their slots: decoders (one pending token) first
+        # so they never starve, then unfinished prefills by chunk. If the KV
+        # cache cannot take this step's tokens, preempt the newest sequence.
+        running = list(self.running)
+        preempted: list[Sequence] = []
+        while True:
+            budget = spec.max_num_batched_tokens
+            free = spec.num_gpu_blocks - sum(-(-s.computed // size) for s in running)
+            work: list[tuple[Sequence, int]] = []
+            for s in running:
+                if s.pending == 1:
+                    work.append((s, 1))
+                    budget -= 1
+            for s in running:
+                if s.pending > 1 and budget > 0:
+                    chunk = min(s.pending, budget)
+                    work.append((s, chunk))
+                    budget -= chunk
+            need = sum(new_blocks(s, t) for s, t in work)
+            if need <= free or not running:
+                break
+            preempted.append(running.pop())
+        free -= need
+
+        # Admit waiting sequences (FCFS) that have arrived and fit the slot
+        # limit, the token budget and the KV cache. After a preemption nothing
+        # new is admitted: the cache is full.
+        admitted: list[Sequence] = []
+        slots = spec.max_num_seqs - len(running)
+        if not preempted:
+            for s in self.waiting:
+                if s.arrival > start or slots <= 0 or budget <= 0:
+                    break
+                chunk = min(s.pending, budget)
+                blocks = new_blocks(s, chunk)
+                if blocks > free:
+                    break
+                admitted.append(s)
+                work.append((s, chunk))
+                budget -= chunk
+                free -= blocks
+                slots -= 1
+
+        if not work and not preempted:
+            # Work that cannot start now: a later arrival, or a request whose
+            # prompt does not fit even an empty cache (vLLM rejects those at
+            # admission; we never admit them, so they wait until aborted).
+            later = [s.arrival for s in self.waiting if s.arrival > start]
+            if not later:
+                return None
+            self.clock = min(later)
+            return self._make_plan()
+
+        decoding = sum(1 for _, t in work if t == 1)
+        kv_tokens = sum(s.computed for s, _ in work)
+        prefill_tokens = sum(t for _, t in work if t > 1)
+        duration = spec.tpot_s * (
+            1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
+        ) + spec.prefill_s_per_token * prefill_tokens
+        return _Plan(start, start + duration, admitted, work, decoding, preempted)
+
+    def _commit(self, plan: _Plan, report: StepReport, seen: set[int]) -> None:
+        end = plan.end
+        for s in plan.preempted:
+            self.running.remove(s)
+            s.computed = 0  # recompute: prompt and generated tokens prefill again
+            s.preemptions += 1
+            report.preemptions += 1
+            self.waiting.appendleft(s)
+        for s in plan.admitted:
+            self.waiting.remove(s)  # admitted ones are at the head, so this is O(1) in practice
+            self.running.append(s)
+            if s.first_scheduled is None:
+                s.first_scheduled = plan.start
+
+        for s, tokens in plan.work:
+            if tokens > 1 or s.generated == 0:
+                report.prompt_tokens += tokens
+            s.computed += tokens
+            if s.computed < s.context:
+                continue  # prefill continues next step
+            # All known tokens are in the cache: the model samples the next one.
+            if s.prefill_done_time is None:
+                s.prefill_done_time = end
+            s.generated += 1
+            report.generation_tokens += 1
+            if s.first_token_time is None:
+                s.first_token_time = end
+            if s.generated >= s.target_tokens:
+                s.finish_reason = "length" if s.target_tokens == s.max_tokens else "stop"
+                s.finish_time = end
+                self.running.remove(s)
+                del self._by_id[s.rid]
+                report.finished.append(s)
+            if id(s) not in seen:
+                seen.add(id(s))
+                report.progressed.append(s)
+        if plan.decoding:
+            report.inter_token.append((end - plan.start, plan.decoding))
+        report.steps += 1
+        self.clock = end
+        self._plan = None

@@ -1,0 +1,1 @@
+"""Scheduling: the policy interface, the instance view, and the policies."""

@@ -1,0 +1,229 @@
+"""The gateway's HTTP shell: OpenAI endpoints, dispatch through the policy, relay.
+
+Handlers stay thin: parse (api/parse.py), choose (the policy, over a snapshot
+of the pool), forward and relay (relay.py). The config is read once per
+request from the store, so a reload takes effect for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.api.errors import ApiError
+from gateway.api.parse import CompletionRequest, parse_completion
+from gateway.config import Config, ConfigStore
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import GatewayMetrics
+from gateway.relay import (RelayResult, UpstreamFailed, client_error, open_upstream,
+                           relay_full, relay_stream, upstream_payload)
+from gateway.scheduling.policies import make_policy
+from gateway.scheduling.policy import RouteRequest
+from gateway.scheduling.view import PoolState
+
+log = logging.getLogger("routebalance.gateway")
+GATEWAY_KEY = web.AppKey("gateway", object)
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
+    """Instances a request may use: all for a routing alias, else those serving the named model."""
+    if model in cfg.server.aliases:
+        return tuple(range(len(cfg.instances)))
+    found = tuple(i for i, inst in enumerate(cfg.instances) if inst.model == model)
+    if not found:
+        known = ", ".join((*cfg.server.aliases, *cfg.models()))
+        raise ApiError(404, f"The model '{model}' does not exist; available: {known}", "model", "model_not_found")
+    return found
+
+
+class Gateway:
+    def __init__(self, store: ConfigStore):
+        self.store = store
+        self.state = PoolState()
+        self.metrics = GatewayMetrics()
+        self.policy = make_policy(store.current.scheduler.policy)
+        self.session: aiohttp.ClientSession | None = None
+        store.subscribe(self._on_config)
+
+    # ---- lifecycle -----------------------------------------------------------
+    async def open(self) -> None:
+        up = self.store.current.upstream
+        connector = aiohttp.TCPConnector(limit=up.max_connections, limit_per_host=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self.session:
+            await self.session.close()
+
+    def _on_config(self, cfg: Config) -> None:
+        if cfg.scheduler.policy != self.policy.name:
+            self.policy = make_policy(cfg.scheduler.policy)
+        log.info("config reloaded: %d instances, policy %s", len(cfg.instances), cfg.scheduler.policy)
+
+    def reload(self, reason: str) -> tuple[bool, str]:
+        ok, message = self.store.reload()
+        self.metrics.config_reloads.labels("ok" if ok else "error").inc()
+        if not ok:
+            log.warning("config reload (%s) rejected, keeping the running config: %s", reason, message)
+        return ok, message
+
+    async def watch_config(self) -> None:
+        """Poll the config file and reload when it changes (no inotify dependency)."""
+        while True:
+            interval = self.store.current.server.config_watch_interval_s
+            await asyncio.sleep(interval or 1.0)
+            if interval and self.store.changed_on_disk():
+                self.reload("file changed")
+
+    # ---- handlers --------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "completions")
+
+    async def _complete(self, request: web.Request, route: str) -> web.StreamResponse:
+        cfg = self.store.current
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        raw = await request.read()
+        req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets)
+        candidates = candidates_for(cfg, req.model)
+        self.metrics.in_flight.inc()
+        instance_name, status = "none", 500
+        try:
+            resp, instance_name, result = await self._dispatch(request, cfg, req, candidates, route)
+            status = result.failed_status or resp.status
+            self.metrics.e2e.labels(route).observe(loop.time() - start)
+            if result.first_byte_s is not None:
+                self.metrics.ttft.labels(route).observe(result.first_byte_s - start)
+            if result.cost_usd is not None:
+                model = cfg.instance(instance_name).model
+                self.metrics.cost.labels(model).inc(result.cost_usd)
+                self.metrics.tokens.labels(model, "prompt").inc(result.prompt_tokens)
+                self.metrics.tokens.labels(model, "completion").inc(result.completion_tokens)
+            return resp
+        except ApiError as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(route, instance_name, str(status)).inc()
+
+    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, candidates, route):
+        loop = asyncio.get_running_loop()
+        up = cfg.upstream
+        timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, sock_connect=up.connect_timeout_s,
+                                        sock_read=up.read_timeout_s)
+        tried: set[int] = set()
+        failure: UpstreamFailed | None = None
+        for attempt in range(up.retries + 1):
+            remaining = tuple(c for c in candidates if c not in tried)
+            if not remaining:
+                break
+            view = self.state.snapshot(cfg.instances, loop.time())
+            idx = self.policy.assign([RouteRequest(remaining, req.prompt_text, req.max_tokens, req.routing)], view)[0]
+            tried.add(idx)
+            instance = cfg.instances[idx]
+            if attempt:
+                self.metrics.retries.labels(instance.name).inc()
+            self.state.started(instance.name)
+            try:
+                upstream = await open_upstream(self.session, instance, ROUTES[route],
+                                               upstream_payload(req, instance), timeout)
+                self.state.mark_up(instance.name)
+                if upstream.status >= 400:
+                    raise await client_error(upstream)
+                result = RelayResult()
+                if req.stream:
+                    resp = await relay_stream(request, upstream, instance, req.include_usage, result)
+                else:
+                    resp = await relay_full(upstream, instance, result)
+                return resp, instance.name, result
+            except UpstreamFailed as e:
+                failure = e
+                if e.status == 502:
+                    self.state.mark_down(instance.name, loop.time())
+                log.warning("attempt %d on %s failed: %s", attempt + 1, instance.name, e)
+            finally:
+                self.state.finished(instance.name)
+        if failure is None:
+            raise ApiError(503, "no instance available for this model")
+        raise ApiError(failure.status, str(failure))
+
+    async def models(self, request: web.Request) -> web.Response:
+        cfg = self.store.current
+        created = int(time.time())
+        data = [{"id": a, "object": "model", "created": created, "owned_by": "routebalance"} for a in cfg.server.aliases]
+        data += [{"id": m, "object": "model", "created": created, "owned_by": "vllm"} for m in cfg.models()]
+        return _json({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", "instances": len(self.store.current.instances)})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def admin_reload(self, request: web.Request) -> web.Response:
+        token = self.store.current.server.admin_token
+        if token and request.headers.get("Authorization") != f"Bearer {token}":
+            raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin_token>'")
+        ok, message = self.reload("admin endpoint")
+        if not ok:
+            raise ApiError(400, f"config rejected, running config kept: {message}", "config")
+        return _json({"reloaded": True, "instances": len(self.store.current.instances)})
+
+
+def _json(obj) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every failure leaves as an OpenAI error object, never a stack trace."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return ApiError(413, f"request body too large (limit {e.max_size} bytes)").response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return ApiError(e.status, e.reason or "request failed").response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "internal error in the gateway").response()
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    cfg = gateway.store.current
+    app = web.Application(middlewares=[openai_errors], client_max_size=cfg.server.max_body_bytes)
+    app[GATEWAY_KEY] = gateway
+    app.router.add_post("/v1/chat/completions", gateway.chat)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.metrics_page)
+    app.router.add_post("/admin/reload", gateway.admin_reload)
+
+    async def lifecycle(app: web.Application):
+        await gateway.open()
+        watcher = asyncio.create_task(gateway.watch_config())
+        yield
+        watcher.cancel()
+        await gateway.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
