@@ -194,8 +194,9 @@ async def openai_errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as e:
         return e.response()
-    except web.HTTPRequestEntityTooLarge as e:
-        return ApiError(413, f"request body too large (limit {e.max_size} bytes)").response()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[GATEWAY_KEY].store.current.server.max_body_bytes
+        return ApiError(413, f"request body too large (limit {limit} bytes)").response()
     except web.HTTPException as e:
         if e.status < 400:
             raise

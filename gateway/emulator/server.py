@@ -214,34 +214,36 @@ class EmulatedPool:
         self.lengths = lengths or OutputLengths(means, seed=seed)
         self.tick_s = config.emulator.tick_s
         self._runners: dict[str, web.AppRunner] = {}
-        self._sites: dict[str, web.TCPSite] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._last_tick = loop_now
 
     async def start(self) -> None:
         for name, inst in self.instances.items():
-            runner = web.AppRunner(_instance_app(inst, self), handler_cancellation=True, access_log=None)
-            await runner.setup()
-            self._runners[name] = runner
             if not inst.faults.down:
                 await self._open(name)
 
     async def stop(self) -> None:
         if self._timer:
             self._timer.cancel()
-        for runner in self._runners.values():
-            await runner.cleanup()
+        for name in list(self._runners):
+            await self._close(name)
 
     def address(self, name: str) -> tuple[str, int]:
         parts = urlsplit(self.instances[name].cfg.url)
         return parts.hostname or "127.0.0.1", parts.port or 80
 
     async def _open(self, name: str) -> None:
+        runner = web.AppRunner(_instance_app(self.instances[name], self), handler_cancellation=True,
+                               access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
         host, port = self.address(name)
-        site = web.TCPSite(self._runners[name], host, port, reuse_address=True)
-        await site.start()
-        self._sites[name] = site
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        self._runners[name] = runner
+
+    async def _close(self, name: str) -> None:
+        """Stop serving like a crashed server: the port closes and open connections drop."""
+        await self._runners.pop(name).cleanup()
 
     async def set_faults(self, name: str, *, error_rate: float | None = None, added_latency_s: float | None = None, down: bool | None = None) -> None:
         """Change an instance's fault knobs. Going down closes its port; coming up reopens it."""
@@ -252,11 +254,7 @@ class EmulatedPool:
             inst.faults.added_latency_s = added_latency_s
         if down is not None and down != inst.faults.down:
             inst.faults.down = down
-            if down:
-                site = self._sites.pop(name)
-                await site.stop()
-            else:
-                await self._open(name)
+            await (self._close(name) if down else self._open(name))
 
     # ---- ticker ------------------------------------------------------------
     def kick(self) -> None:

@@ -1,0 +1,62 @@
+"""Bad requests get the right status and an OpenAI error body; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+CHAT = "/chat/completions"
+GOOD = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+CASES = [
+    # (name, path, raw body or json, extra headers, status, param)
+    ("malformed json", CHAT, b'{"model": "auto",', {}, 400, None),
+    ("empty body", CHAT, b"", {}, 400, None),
+    ("body is an array", CHAT, b"[1, 2]", {}, 400, None),
+    ("missing model", CHAT, {"messages": [{"role": "user", "content": "x"}]}, {}, 400, "model"),
+    ("model not a string", CHAT, {**GOOD, "model": 7}, {}, 400, "model"),
+    ("unknown model", CHAT, {**GOOD, "model": "gpt-9"}, {}, 404, "model"),
+    ("missing messages", CHAT, {"model": "auto"}, {}, 400, "messages"),
+    ("empty messages", CHAT, {**GOOD, "messages": []}, {}, 400, "messages"),
+    ("bad role", CHAT, {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages[0].role"),
+    ("content wrong type", CHAT, {**GOOD, "messages": [{"role": "user", "content": 5}]}, {}, 400, "messages[0].content"),
+    ("negative max_tokens", CHAT, {**GOOD, "max_tokens": -3}, {}, 400, "max_tokens"),
+    ("max_tokens a string", CHAT, {**GOOD, "max_tokens": "ten"}, {}, 400, "max_tokens"),
+    ("stream not a bool", CHAT, {**GOOD, "stream": "yes"}, {}, 400, "stream"),
+    ("temperature out of range", CHAT, {**GOOD, "temperature": 9}, {}, 400, "temperature"),
+    ("unknown preset", CHAT, {**GOOD, "routing": {"preset": "fastest"}}, {}, 400, "routing.preset"),
+    ("bad weights header", CHAT, GOOD, {"X-Route-Weights": "quality=lots"}, 400, "X-Route-Weights"),
+    ("negative budget", CHAT, {**GOOD, "routing": {"budget_usd": -1}}, {}, 400, "routing.budget_usd"),
+    ("prompt missing", "/completions", {"model": "auto"}, {}, 400, "prompt"),
+    ("context too long for the instance", CHAT, {**GOOD, "max_tokens": 9000}, {}, 400, "max_tokens"),
+    ("oversize body", CHAT, {**GOOD, "messages": [{"role": "user", "content": "x" * 1_100_000}]}, {}, 413, None),
+    ("unknown path", "/embeddings-nope", GOOD, {}, 404, None),
+]
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_an_openai_error(http, name, path, body, headers, status, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json", **headers})
+    else:
+        r = http.post(path, json=body, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    if param is not None:
+        assert err["param"] == param
+    # ...and the server still serves a good request afterwards.
+    ok = http.post(CHAT, json=GOOD)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
+def test_wrong_method_is_an_openai_error(http):
+    r = http.get(CHAT)
+    assert r.status_code == 405 and "error" in r.json()

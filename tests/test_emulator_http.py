@@ -1,0 +1,130 @@
+"""The emulated vLLM instances over HTTP: metrics page, disconnects, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def vllm_metrics(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def gauge(families: dict, name: str) -> float:
+    return sum(s.value for s in families[name].samples)
+
+
+def test_metrics_page_parses_and_counts_a_request(stack):
+    inst = stack.store.current.instances[-1]
+    before = vllm_metrics(inst.url)
+    r = httpx.post(inst.url + "/v1/completions", json={"model": inst.model, "prompt": "hello world", "max_tokens": 4}, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    after = vllm_metrics(inst.url)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"):
+        assert after[name].type == "gauge", name
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:inter_token_latency_seconds"):
+        assert after[name].type == "histogram", name
+
+    def total(fams, name, suffix, **labels):
+        return sum(s.value for s in fams[name].samples if s.name == name + suffix
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert total(after, "vllm:generation_tokens", "_total") - total(before, "vllm:generation_tokens", "_total") == 4
+    assert total(after, "vllm:request_success", "_total", finished_reason="length") - \
+        total(before, "vllm:request_success", "_total", finished_reason="length") == 1
+    assert total(after, "vllm:e2e_request_latency_seconds", "_count") - \
+        total(before, "vllm:e2e_request_latency_seconds", "_count") == 1
+    labels = {s.labels["model_name"] for s in after["vllm:num_requests_running"].samples}
+    assert labels == {inst.model}
+
+
+def test_client_disconnect_mid_stream_frees_the_upstream_request(stack):
+    inst = stack.store.current.instances[0]  # a 72B: a 1,000-token answer takes ~50 s
+    body = {"model": inst.model, "messages": [{"role": "user", "content": "write a long essay"}],
+            "max_tokens": 1000, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", stack.base_url + "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert gauge(vllm_metrics(inst.url), "vllm:num_requests_running") == 1
+        # the response is closed here: the client went away mid-stream
+    deadline = time.monotonic() + 5
+    while gauge(vllm_metrics(inst.url), "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "upstream request still running after the client left"
+        time.sleep(0.05)
+    fams = vllm_metrics(inst.url)
+    aborted = sum(s.value for s in fams["vllm:request_success"].samples
+                  if s.name.endswith("_total") and s.labels["finished_reason"] == "abort")
+    assert aborted >= 1
+
+
+def test_a_down_instance_is_retried_on_another_and_comes_back(stack):
+    cfg = stack.store.current
+    model = "Qwen/Qwen2.5-72B-Instruct"
+    down, other = [i.name for i in cfg.instances if i.model == model]
+    stack.call(stack.pool.set_faults(down, down=True))
+    try:
+        with httpx.Client(timeout=30) as http:
+            for _ in range(4):
+                r = http.post(stack.base_url + "/chat/completions",
+                              json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                assert r.status_code == 200
+                assert r.headers["X-Route-Instance"] == other
+    finally:
+        stack.call(stack.pool.set_faults(down, down=False))
+    host, port = stack.pool.address(down)
+    assert httpx.get(f"http://{host}:{port}/health", timeout=5).status_code == 200
+
+
+def test_error_rate_fault_fails_directly_and_the_gateway_retries(stack):
+    cfg = stack.store.current
+    target = cfg.instances[-1]
+    stack.call(stack.pool.set_faults(target.name, error_rate=1.0))
+    try:
+        r = httpx.post(target.url + "/v1/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1}, timeout=5)
+        assert r.status_code == 500
+        # Through the gateway, the model's other instances answer instead.
+        with httpx.Client(timeout=30) as http:
+            for _ in range(6):
+                r = http.post(stack.base_url + "/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1})
+                assert r.status_code == 200 and r.headers["X-Route-Instance"] != target.name
+    finally:
+        stack.call(stack.pool.set_faults(target.name, error_rate=0.0))
+
+
+def test_added_latency_fault_delays_the_answer(stack):
+    target = stack.store.current.instances[-2]
+    stack.call(stack.pool.set_faults(target.name, added_latency_s=0.3))
+    try:
+        start = time.monotonic()
+        r = httpx.post(target.url + "/v1/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1}, timeout=5)
+        assert r.status_code == 200 and time.monotonic() - start >= 0.3
+    finally:
+        stack.call(stack.pool.set_faults(target.name, added_latency_s=0.0))
+
+
+def test_whole_model_down_is_a_502_with_an_openai_error(stack):
+    cfg = stack.store.current
+    model = "Qwen/Qwen2.5-72B-Instruct"
+    names = [i.name for i in cfg.instances if i.model == model]
+    for n in names:
+        stack.call(stack.pool.set_faults(n, down=True))
+    try:
+        r = httpx.post(stack.base_url + "/chat/completions", timeout=30,
+                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+        ok = httpx.post(stack.base_url + "/chat/completions", timeout=30,
+                        json={"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert ok.status_code == 200
+    finally:
+        for n in names:
+            stack.call(stack.pool.set_faults(n, down=False))

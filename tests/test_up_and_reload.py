@@ -1,0 +1,125 @@
+"""`routebalance up` as a user runs it: one command, live config reload, clean Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import pool_config
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def model_ids(root: str) -> set[str]:
+    return {m["id"] for m in httpx.get(root + "/v1/models", timeout=5).json()["data"]}
+
+
+def command() -> list[str]:
+    exe = shutil.which("routebalance", path=str(Path(sys.executable).parent)) or shutil.which("routebalance")
+    return [exe] if exe else [sys.executable, "-m", "gateway.cli"]
+
+
+@pytest.fixture
+def up(tmp_path, request):
+    path = pool_config(tmp_path, server={"config_watch_interval_s": request.param})
+    proc = subprocess.Popen([*command(), "up", "--config", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    text = path.read_text()
+    port = int(text.split("port = ", 1)[1].split("\n", 1)[0])
+    root = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(root + "/health", timeout=1).status_code == 200, what="gateway up")
+        yield proc, path, root
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.mark.parametrize("up", [0.2], indirect=True)
+def test_up_serves_and_the_file_watcher_reloads(up):
+    proc, path, root = up
+    client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0, timeout=30)
+    answer = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert answer.choices[0].message.content
+
+    original = path.read_text()
+    # A valid edit is picked up by the watcher...
+    path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "router"]'))
+    wait_for(lambda: "router" in model_ids(root), what="watcher reload")
+    assert client.chat.completions.create(model="router", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+
+    # ...a bad one is rejected: the running config stays and the failure is counted.
+    path.write_text(original.replace('aliases = ["auto"]', 'aliases = "auto"'))
+    wait_for(lambda: 'routebalance_config_reloads_total{result="error"} 1.0' in httpx.get(root + "/metrics").text,
+             what="rejected reload counted")
+    assert "router" in model_ids(root)
+    assert client.chat.completions.create(model="router", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+
+
+@pytest.mark.parametrize("up", [0.0], indirect=True)
+def test_sighup_and_admin_reload_then_ctrl_c_stops_cleanly(up):
+    proc, path, root = up  # the file watcher is off: only SIGHUP and the endpoint reload
+    original = path.read_text()
+    path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "router"]'))
+    time.sleep(0.3)
+    assert "router" not in model_ids(root)
+    proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "router" in model_ids(root), what="SIGHUP reload")
+
+    path.write_text(original.replace('aliases = ["auto"]', 'aliases = "auto"'))
+    r = httpx.post(root + "/admin/reload", timeout=5)
+    assert r.status_code == 400 and "aliases" in r.json()["error"]["message"]
+    assert "router" in model_ids(root)
+
+    path.write_text(original)
+    assert httpx.post(root + "/admin/reload", timeout=5).status_code == 200
+    assert "router" not in model_ids(root)
+
+    # Ctrl-C stops emulator and gateway, with exit status 0.
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=15)
+    assert proc.returncode == 0, out
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(root + "/health", timeout=2)
+
+
+def test_admin_reload_endpoint_swaps_config(stack, tmp_path):
+    original = stack.config_path.read_text()
+    try:
+        stack.config_path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "any"]'))
+        r = httpx.post(stack.root + "/admin/reload", timeout=5)
+        assert r.status_code == 200 and r.json()["reloaded"] is True
+        assert "any" in model_ids(stack.root)
+    finally:
+        stack.config_path.write_text(original)
+        assert httpx.post(stack.root + "/admin/reload", timeout=5).status_code == 200
+    assert "any" not in model_ids(stack.root)
+
+
+def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\nport = "eight thousand"\n')
+    proc = subprocess.run([*command(), "serve", "--config", str(bad)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ})
+    assert proc.returncode == 2
+    assert "server.port" in proc.stderr
