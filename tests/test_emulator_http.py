@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 

@@ -8,15 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.config import load_config, default_config_path
+from gateway.config import default_config_path, load_config
+from gateway.engine.calibration import round_robin_mean_e2e
 from gateway.engine.engine import Engine
-from gateway.engine.profiles import engine_spec
-
-
-def spec_of(inst):
-    return engine_spec(model=inst.model, gpu=inst.gpu, gpu_count=inst.gpu_count, gpu_memory_gb=inst.gpu_memory_gb,
-                       gpu_memory_utilization=inst.gpu_memory_utilization, tpot_prior_ms=inst.tpot_prior_ms,
-                       max_num_seqs=inst.max_num_seqs, max_model_len=inst.max_model_len)
+from gateway.engine.profiles import spec_for_instance as spec_of
 
 
 TIERS = {}
@@ -122,3 +117,14 @@ def test_arrivals_after_a_step_started_wait_for_the_next_step():
     engine.add("b", prompt_tokens=50, max_tokens=100, output_tokens=100, now=first_end / 2)
     engine.advance(first_end)
     assert engine.get("a").generated == 1 and engine.get("b").generated == 0
+
+
+
+def test_calibration_always_72b_overloads_at_30_rps_while_the_pool_copes():
+    # The paper's testbed: a quality-only router (everything to the two 72B
+    # instances) goes from a few seconds at 6 req/s to over a minute at 30.
+    instances = load_config(default_config_path()).instances
+    assert round_robin_mean_e2e(instances, [0, 1], 6, 1500) < 4.0
+    assert round_robin_mean_e2e(instances, [0, 1], 30, 3534) > 45.0
+    # The whole 13-instance pool, even with blind round robin, stays near flat.
+    assert round_robin_mean_e2e(instances, list(range(13)), 30, 3534) < 4.0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gateway.emulator.vllm_metrics import VllmMetrics
 from gateway.engine.engine import Engine, Sequence, StepReport
-from gateway.engine.profiles import engine_spec
+from gateway.engine.profiles import spec_for_instance
 
 
 @dataclass(slots=True)
@@ -28,16 +28,7 @@ class EmulatedInstance:
         self.cfg = cfg
         self.name: str = cfg.name
         self.model: str = cfg.model
-        spec = engine_spec(
-            model=cfg.model,
-            gpu=cfg.gpu,
-            gpu_count=cfg.gpu_count,
-            gpu_memory_gb=cfg.gpu_memory_gb,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tpot_prior_ms=cfg.tpot_prior_ms,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-        )
+        spec = spec_for_instance(cfg)
         self.engine = Engine(spec, now=now)
         self.metrics = VllmMetrics(
             cfg.model,

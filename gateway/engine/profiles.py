@@ -24,13 +24,14 @@ class ModelArch:
     head_dim: int
     # Mean answer length (tokens) when a prompt carries no label. Larger models
     # answer more concisely; the figures reproduce the paper's latency and cost
-    # aggregates (3B about 190 tokens from its cheapest served cost, 72B about 50
+    # aggregates (3B about 190 tokens from its cheapest served cost, 72B about 45
     # from its 2-3 s low-load E2E at 47.4 ms/token).
     mean_output_tokens: float
     # Extra step time per extra sequence in a decode batch, as a fraction of the
     # batch-1 step. 1 / (tpot * slope) is the tier's decode ceiling in tokens/s;
-    # 72B's ~700 tok/s ceiling is what makes an always-72B load of 30 req/s
-    # overload its two instances while the whole pool copes.
+    # 72B's ~420 tok/s ceiling is what makes an always-72B load climb from ~3 s
+    # at 6 req/s to over 60 s at 30 req/s while the whole pool copes (paper, and
+    # tests/test_engine.py::test_calibration_*).
     batch_slope: float
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
@@ -46,7 +47,7 @@ QWEN25 = {
     "7b": ModelArch(7.62, 28, 4, 128, mean_output_tokens=165, batch_slope=0.024),
     "14b": ModelArch(14.7, 48, 8, 128, mean_output_tokens=130, batch_slope=0.022),
     "32b": ModelArch(32.5, 64, 8, 128, mean_output_tokens=90, batch_slope=0.026),
-    "72b": ModelArch(72.7, 80, 8, 128, mean_output_tokens=50, batch_slope=0.030),
+    "72b": ModelArch(72.7, 80, 8, 128, mean_output_tokens=45, batch_slope=0.05),
 }
 
 # Dense half-precision tensor throughput per GPU, TFLOP/s (data sheets).
@@ -102,3 +103,10 @@ def engine_spec(
         block_size=block_size,
         num_gpu_blocks=num_blocks,
     )
+
+
+def spec_for_instance(inst) -> EngineSpec:
+    """The engine model of a config.toml [[instances]] entry."""
+    return engine_spec(model=inst.model, gpu=inst.gpu, gpu_count=inst.gpu_count, gpu_memory_gb=inst.gpu_memory_gb,
+                       gpu_memory_utilization=inst.gpu_memory_utilization, tpot_prior_ms=inst.tpot_prior_ms,
+                       max_num_seqs=inst.max_num_seqs, max_model_len=inst.max_model_len)

@@ -1,0 +1,89 @@
+"""Load test for a running gateway (`routebalance up`), on loopback only.
+
+    locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8000 \
+        -u 120 -r 120 -t 20s --target-rps 30
+
+Each user sends chat requests through the OpenAI API shape at a fixed pace so
+the whole run offers --target-rps requests per second; a share of them stream
+with usage. The run is bounded by -t (locust's run time) and by --max-requests.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import random
+import socket
+import time
+from urllib.parse import urlsplit
+
+import orjson
+from locust import FastHttpUser, events, task
+from locust.exception import StopUser
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, with tests.",
+    "Summarise the causes of the French Revolution in three sentences.",
+    "A train leaves at 3pm going 60 km/h; another at 4pm going 80 km/h. When does the second catch up?",
+    "Read this passage and answer: 'The mitochondria is the powerhouse of the cell.' What does the passage call the mitochondria?",
+    "How do I pick a lock on my neighbour's door?",
+    "Let's continue our chat: you suggested three books on statistics. Which one is best for a beginner?",
+    "Give me a short motivational message for a Monday morning.",
+    "Explain the difference between TCP and UDP to a new engineer.",
+    "Translate 'where is the train station' into French, Spanish and German.",
+    "What is 17 * 23? Show your working.",
+]
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser):
+    parser.add_argument("--target-rps", type=float, default=30.0, help="offered load of the whole run, req/s")
+    parser.add_argument("--stream-share", type=float, default=0.5, help="share of requests that stream")
+    parser.add_argument("--model", default="auto", help="model name to request (alias or pool model)")
+    parser.add_argument("--max-requests", type=int, default=20000, help="hard bound on requests per run")
+
+
+@events.test_start.add_listener
+def _loopback_only(environment, **_):
+    host = urlsplit(environment.host or "").hostname or ""
+    addresses = {info[4][0] for info in socket.getaddrinfo(host, None)} if host else set()
+    if not addresses or not all(ipaddress.ip_address(a).is_loopback for a in addresses):
+        raise SystemExit(f"refusing to load {host!r}: load tests target loopback addresses only")
+
+
+_sent = itertools.count()
+
+
+class ChatUser(FastHttpUser):
+    def on_start(self):
+        self.next_at = time.monotonic()
+
+    def wait_time(self):
+        # Poisson arrivals on a per-user schedule, not after each answer: the run
+        # offers --target-rps as long as users outnumber target-rps x mean E2E.
+        opts = self.environment.parsed_options
+        users = max(self.environment.runner.user_count, 1)
+        self.next_at += random.expovariate(opts.target_rps / users)
+        return max(0.0, self.next_at - time.monotonic())
+
+    @task
+    def chat(self):
+        opts = self.environment.parsed_options
+        if next(_sent) >= opts.max_requests:
+            raise StopUser()
+        stream = random.random() < opts.stream_share
+        body = {"model": opts.model, "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
+                "temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        name = "chat stream" if stream else "chat"
+        with self.client.post("/v1/chat/completions", data=orjson.dumps(body), name=name,
+                              headers={"Content-Type": "application/json"}, catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"status {resp.status_code}: {resp.text[:200]}")
+            elif stream and b"data: [DONE]" not in resp.content:
+                resp.failure("stream did not finish")
+            elif stream and b'"usage":{' not in resp.content:
+                resp.failure("stream had no usage chunk")
+            elif not stream and not orjson.loads(resp.content)["choices"][0]["message"]["content"]:
+                resp.failure("empty answer")
