@@ -1,0 +1,16 @@
+# The gateway as a container: mount your pool's config at /etc/routebalance/config.toml.
+#   docker build -t routebalance .
+#   docker run -p 8000:8000 -v $PWD/config.toml:/etc/routebalance/config.toml:ro routebalance
+FROM python:3.11-slim
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+RUN pip install --no-cache-dir . && useradd --system --no-create-home routebalance
+
+USER routebalance
+EXPOSE 8000
+# SIGTERM (docker stop) shuts down cleanly; SIGHUP reloads the config.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["routebalance"]
+CMD ["serve", "--config", "/etc/routebalance/config.toml", "--host", "0.0.0.0"]
