@@ -67,10 +67,9 @@ class Gateway:
         log.info("config reloaded: %d instances, policy %s", len(cfg.instances), cfg.scheduler.policy)
 
     def reload(self, reason: str) -> tuple[bool, str]:
-        ok, message = self.store.reload()
+        log.info("config reload requested (%s)", reason)
+        ok, message = self.store.reload()  # the store logs the outcome
         self.metrics.config_reloads.labels("ok" if ok else "error").inc()
-        if not ok:
-            log.warning("config reload (%s) rejected, keeping the running config: %s", reason, message)
         return ok, message
 
     async def watch_config(self) -> None:

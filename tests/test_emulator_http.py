@@ -126,3 +126,29 @@ def test_whole_model_down_is_a_502_with_an_openai_error(stack):
     finally:
         for n in names:
             stack.call(stack.pool.set_faults(n, down=False))
+
+
+def test_client_disconnect_before_a_non_streamed_answer_frees_the_upstream_request(stack):
+    import socket
+
+    import orjson
+
+    model = "Qwen/Qwen2.5-72B-Instruct"
+    urls = [i.url for i in stack.store.current.instances if i.model == model]
+
+    def running() -> float:
+        return sum(gauge(vllm_metrics(u), "vllm:num_requests_running") for u in urls)
+
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "long"}], "max_tokens": 1000})
+    host, port = stack.root.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 5
+        while running() != 1:
+            assert time.monotonic() < deadline, "request never reached the instance"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while running() != 0:
+        assert time.monotonic() < deadline, "upstream request still running after the client left"
+        time.sleep(0.05)
