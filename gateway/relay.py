@@ -18,15 +18,20 @@ from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Compressed answers would have to be inflated to be costed and re-framed: ask for none.
+UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 EVENT_END = b"\n\n"
+MAX_EVENT_BYTES = 1 << 20  # an SSE event larger than this is a broken upstream, not an answer
 
 
 class UpstreamFailed(Exception):
-    """The instance failed before any byte reached the client: another instance may be tried."""
+    """The instance failed before any byte reached the client."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, *, retry: bool = True, unreachable: bool = False):
         super().__init__(message)
-        self.status = status  # what the client gets if no retry succeeds: 502, 503 or 504
+        self.status = status  # what the client gets if no retry succeeds: 502 or 504
+        self.retry = retry  # worth trying another instance (false once an instance has spent time on it)
+        self.unreachable = unreachable  # a transport failure: skip the instance for a while
 
 
 @dataclass(slots=True)
@@ -38,9 +43,17 @@ class RelayResult:
     failed_status: int | None = None  # the stream broke after its first byte (client told by an error event)
 
 
-def cost_of(usage: dict, instance) -> float:
-    return (usage.get("prompt_tokens", 0) * instance.price_input_per_mtok
-            + usage.get("completion_tokens", 0) * instance.price_output_per_mtok) / 1e6
+def _count(usage: dict, key: str) -> int:
+    v = usage.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def record_usage(usage: dict, instance, result: "RelayResult") -> None:
+    """Cost a request from the instance's own token counts (malformed counts count as 0)."""
+    result.prompt_tokens = _count(usage, "prompt_tokens")
+    result.completion_tokens = _count(usage, "completion_tokens")
+    result.cost_usd = usage["cost_usd"] = (result.prompt_tokens * instance.price_input_per_mtok
+                                           + result.completion_tokens * instance.price_output_per_mtok) / 1e6
 
 
 def upstream_payload(req: CompletionRequest, instance) -> bytes:
@@ -57,12 +70,16 @@ async def open_upstream(session: aiohttp.ClientSession, instance, path: str, pay
                         timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
     """POST to the instance. Raises UpstreamFailed on connect errors, timeouts and 5xx answers."""
     try:
-        resp = await session.post(instance.url + path, data=payload, timeout=timeout,
-                                  headers={"Content-Type": "application/json"})
-    except asyncio.TimeoutError:
-        raise UpstreamFailed(504, f"instance {instance.name} did not answer in time") from None
+        resp = await session.post(instance.url + path, data=payload, timeout=timeout, headers=UPSTREAM_HEADERS)
+    except aiohttp.ConnectionTimeoutError:
+        raise UpstreamFailed(502, f"instance {instance.name} is unreachable: connect timeout", unreachable=True) from None
+    except asyncio.TimeoutError:  # it accepted the request and then took too long: do not pile it on another
+        raise UpstreamFailed(504, f"instance {instance.name} did not answer in time", retry=False) from None
+    except aiohttp.ClientConnectionError as e:  # refused, reset, disconnected: the transport failed
+        raise UpstreamFailed(502, f"instance {instance.name} is unreachable: {e.__class__.__name__}",
+                             unreachable=True) from None
     except aiohttp.ClientError as e:
-        raise UpstreamFailed(502, f"instance {instance.name} is unreachable: {e.__class__.__name__}") from None
+        raise UpstreamFailed(502, f"instance {instance.name} failed: {e.__class__.__name__}") from None
     if resp.status >= 500:
         resp.close()
         raise UpstreamFailed(502, f"instance {instance.name} failed with status {resp.status}")
@@ -92,7 +109,7 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
     try:
         raw = await upstream.read()  # a complete read hands the connection back to the pool
     except asyncio.TimeoutError:
-        raise UpstreamFailed(504, f"instance {instance.name} stalled") from None
+        raise UpstreamFailed(504, f"instance {instance.name} stalled", retry=False) from None
     except aiohttp.ClientError as e:
         raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}") from None
     finally:
@@ -105,9 +122,7 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
     headers = route_headers(instance)
     usage = data.get("usage") if isinstance(data, dict) else None
     if isinstance(usage, dict):
-        result.prompt_tokens = usage.get("prompt_tokens", 0)
-        result.completion_tokens = usage.get("completion_tokens", 0)
-        result.cost_usd = usage["cost_usd"] = cost_of(usage, instance)
+        record_usage(usage, instance, result)
         headers["X-Route-Cost-USD"] = f"{result.cost_usd:.10f}"
     return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
 
@@ -126,9 +141,7 @@ def _rewrite_usage_events(block: bytes, instance, include_usage: bool, result: R
                 continue
             usage = data.get("usage")
             if isinstance(usage, dict):
-                result.prompt_tokens = usage.get("prompt_tokens", 0)
-                result.completion_tokens = usage.get("completion_tokens", 0)
-                result.cost_usd = usage["cost_usd"] = cost_of(usage, instance)
+                record_usage(usage, instance, result)
                 if not data.get("choices") and not include_usage:
                     continue  # the usage-only chunk the client never asked for
                 if not include_usage:
@@ -138,40 +151,72 @@ def _rewrite_usage_events(block: bytes, instance, include_usage: bool, result: R
     return EVENT_END.join(out) + EVENT_END if out else b""
 
 
+class _EventReader:
+    """Complete SSE events from an upstream body, whatever its chunking and line endings."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse):
+        self.chunks = upstream.content.iter_any().__aiter__()
+        self.pending = b""
+        self.eof = False
+
+    async def next_block(self) -> bytes:
+        """All complete events available after the next chunk; b"" at the end (with any unframed tail)."""
+        while not self.eof:
+            try:
+                chunk = await self.chunks.__anext__()
+            except StopAsyncIteration:
+                self.eof = True
+                break
+            self.pending += chunk
+            if b"\r" in chunk:  # CRLF framing (valid SSE): normalise so events end in a blank line
+                self.pending = self.pending.replace(b"\r\n", b"\n")
+            cut = self.pending.rfind(EVENT_END)
+            if cut >= 0:
+                block, self.pending = self.pending[:cut + 2], self.pending[cut + 2:]
+                return block
+            if len(self.pending) > MAX_EVENT_BYTES:
+                raise aiohttp.ClientPayloadError("upstream SSE event too large")
+        tail, self.pending = self.pending.strip(), b""
+        return tail + EVENT_END if tail else b""
+
+
 async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, instance,
                        include_usage: bool, result: RelayResult) -> web.StreamResponse:
-    """Pass SSE events through. A client that goes away closes the upstream connection,
-    which makes vLLM abort the request."""
+    """Pass SSE events through. Nothing is sent to the client until the first event
+    has arrived, so an instance that fails before it can still be retried elsewhere.
+    A client that goes away closes the upstream connection, which makes vLLM abort."""
     loop = asyncio.get_running_loop()
-    resp = web.StreamResponse(headers={**SSE_HEADERS, **route_headers(instance)})
-    pending = b""
+    events = _EventReader(upstream)
+
+    def framed(block: bytes) -> bytes:
+        return _rewrite_usage_events(block, instance, include_usage, result) if b'"usage"' in block else block
+
     try:
-        await resp.prepare(request)
         try:
-            async for chunk in upstream.content.iter_any():
-                pending += chunk
-                cut = pending.rfind(EVENT_END)
-                if cut < 0:
-                    continue
-                ready, pending = pending[:cut + 2], pending[cut + 2:]
-                if b'"usage"' in ready:
-                    ready = _rewrite_usage_events(ready, instance, include_usage, result)
-                    if not ready:
-                        continue
-                if result.first_byte_s is None:
-                    result.first_byte_s = loop.time()
-                await resp.write(ready)
+            first = await events.next_block()
+        except asyncio.TimeoutError:
+            raise UpstreamFailed(504, f"instance {instance.name} sent no event in time", retry=False) from None
+        except aiohttp.ClientError as e:
+            raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}") from None
+        if not first:
+            raise UpstreamFailed(502, f"instance {instance.name} closed the stream without an event")
+        resp = web.StreamResponse(headers={**SSE_HEADERS, **route_headers(instance)})
+        await resp.prepare(request)
+        result.first_byte_s = loop.time()
+        block = first
+        try:
+            while block:
+                out = framed(block)
+                if out:
+                    await resp.write(out)
+                block = await events.next_block()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # After the first byte there is no retry: end the stream with an error event.
             failure = ApiError(504 if isinstance(e, asyncio.TimeoutError) else 502,
                                f"instance {instance.name} broke off the stream: {e.__class__.__name__}")
             await resp.write(b"data: " + orjson.dumps(failure.body()) + EVENT_END)
             result.failed_status = failure.status
-        else:
-            if pending.strip():
-                await resp.write(pending)
         await resp.write_eof()
         return resp
     finally:
         upstream.close()
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -29,6 +30,28 @@ from gateway.scheduling.view import PoolState
 log = logging.getLogger("routebalance.gateway")
 GATEWAY_KEY = web.AppKey("gateway", object)
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(slots=True)
+class Attempt:
+    """Where a request went and how it ended, for its metrics line."""
+
+    instance: str = "none"
+    status: int = 500
+    result: RelayResult = field(default_factory=RelayResult)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` (read per request, so a reload applies)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"request body too large (limit {limit} bytes)")
+    chunks, size = [], 0
+    while chunk := await request.content.read(65536):
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body too large (limit {limit} bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
@@ -91,41 +114,43 @@ class Gateway:
         cfg = self.store.current
         loop = asyncio.get_running_loop()
         start = loop.time()
-        raw = await request.read()
-        req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets)
-        candidates = candidates_for(cfg, req.model)
+        attempt = Attempt()
         self.metrics.in_flight.inc()
-        instance_name, status = "none", 500
         try:
-            resp, instance_name, result = await self._dispatch(request, cfg, req, candidates, route)
-            status = result.failed_status or resp.status
+            raw = await read_body(request, cfg.server.max_body_bytes)
+            req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets)
+            resp = await self._dispatch(request, cfg, req, candidates_for(cfg, req.model), route, attempt)
+            result = attempt.result
+            attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
             if result.first_byte_s is not None:
                 self.metrics.ttft.labels(route).observe(result.first_byte_s - start)
             if result.cost_usd is not None:
-                model = cfg.instance(instance_name).model
+                model = cfg.instance(attempt.instance).model
                 self.metrics.cost.labels(model).inc(result.cost_usd)
                 self.metrics.tokens.labels(model, "prompt").inc(result.prompt_tokens)
                 self.metrics.tokens.labels(model, "completion").inc(result.completion_tokens)
             return resp
         except ApiError as e:
-            status = e.status
+            attempt.status = e.status
             raise
         except asyncio.CancelledError:
-            status = 499  # the client went away
+            attempt.status = 499  # the client went away
             raise
         finally:
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(route, instance_name, str(status)).inc()
+            self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
 
-    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, candidates, route):
+    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, candidates, route, attempt: Attempt):
         loop = asyncio.get_running_loop()
         up = cfg.upstream
+        # A non-streamed answer sends nothing until it is complete, so only the
+        # total timeout can bound it; a stream must keep bytes coming.
         timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, sock_connect=up.connect_timeout_s,
-                                        sock_read=up.read_timeout_s)
+                                        sock_read=up.read_timeout_s if req.stream else None)
         tried: set[int] = set()
         failure: UpstreamFailed | None = None
-        for attempt in range(up.retries + 1):
+        for n in range(up.retries + 1):
             remaining = tuple(c for c in candidates if c not in tried)
             if not remaining:
                 break
@@ -133,7 +158,8 @@ class Gateway:
             idx = self.policy.assign([RouteRequest(remaining, req.prompt_text, req.max_tokens, req.routing)], view)[0]
             tried.add(idx)
             instance = cfg.instances[idx]
-            if attempt:
+            attempt.instance = instance.name
+            if n:
                 self.metrics.retries.labels(instance.name).inc()
             self.state.started(instance.name)
             try:
@@ -142,17 +168,16 @@ class Gateway:
                 self.state.mark_up(instance.name)
                 if upstream.status >= 400:
                     raise await client_error(upstream)
-                result = RelayResult()
                 if req.stream:
-                    resp = await relay_stream(request, upstream, instance, req.include_usage, result)
-                else:
-                    resp = await relay_full(upstream, instance, result)
-                return resp, instance.name, result
+                    return await relay_stream(request, upstream, instance, req.include_usage, attempt.result)
+                return await relay_full(upstream, instance, attempt.result)
             except UpstreamFailed as e:
                 failure = e
-                if e.status == 502:
+                if e.unreachable:
                     self.state.mark_down(instance.name, loop.time())
-                log.warning("attempt %d on %s failed: %s", attempt + 1, instance.name, e)
+                log.warning("attempt %d on %s failed: %s", n + 1, instance.name, e)
+                if not e.retry:
+                    break
             finally:
                 self.state.finished(instance.name)
         if failure is None:
@@ -193,9 +218,6 @@ async def openai_errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as e:
         return e.response()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[GATEWAY_KEY].store.current.server.max_body_bytes
-        return ApiError(413, f"request body too large (limit {limit} bytes)").response()
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -208,8 +230,7 @@ async def openai_errors(request: web.Request, handler):
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    cfg = gateway.store.current
-    app = web.Application(middlewares=[openai_errors], client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(middlewares=[openai_errors])  # body size: checked per request by read_body
     app[GATEWAY_KEY] = gateway
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_post("/v1/completions", gateway.completions)

@@ -77,8 +77,9 @@ def pool_config(tmp: Path, **overrides) -> Path:
 class Stack:
     """Emulator + gateway in one background event loop."""
 
-    def __init__(self, config_path: Path):
+    def __init__(self, config_path: Path, emulate: bool = True):
         self.config_path = config_path
+        self.emulate = emulate
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -89,7 +90,7 @@ class Stack:
         self.root = f"http://{server.host}:{server.port}"
 
     async def _start(self):
-        pool = await start_emulator(self.store.current)
+        pool = await start_emulator(self.store.current) if self.emulate else None
         return pool, await start_gateway(self.store)
 
     def call(self, coro, timeout: float = 30.0):
@@ -104,7 +105,8 @@ class Stack:
     def stop(self) -> None:
         async def shutdown():
             await self.runner.cleanup()
-            await self.pool.stop()
+            if self.pool:
+                await self.pool.stop()
         self.call(shutdown())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

@@ -60,3 +60,29 @@ def test_bad_input_gets_an_openai_error(http, name, path, body, headers, status,
 def test_wrong_method_is_an_openai_error(http):
     r = http.get(CHAT)
     assert r.status_code == 405 and "error" in r.json()
+
+
+@pytest.mark.parametrize("body,headers,param", [
+    ({**GOOD, "messages": [{"role": ["user"], "content": "x"}]}, {}, "messages[0].role"),
+    (GOOD, {"X-Route-Weights": "quality=nan"}, "X-Route-Weights"),
+    (GOOD, {"X-Route-Weights": "quality=1e308,cost=1e308"}, "X-Route-Weights"),
+    (GOOD, {"X-Route-Budget-USD": "inf"}, "X-Route-Budget-USD"),
+])
+def test_unhashable_and_non_finite_values_are_400s(http, body, headers, param):
+    r = http.post(CHAT, json=body, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_null_optional_fields_are_treated_as_unset(http):
+    r = http.post(CHAT, json={**GOOD, "max_completion_tokens": None, "n": None, "stream": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
+
+
+def test_body_limit_applies_to_chunked_uploads(http):
+    def chunks():
+        yield b'{"model": "auto", "messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"x" * 32768
+        yield b'"}]}'
+    r = http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]

@@ -7,6 +7,7 @@ forwarded to the instance untouched, so new OpenAI fields keep working.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -55,7 +56,8 @@ def parse_body(raw: bytes) -> dict:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite JSON number (bools are not numbers here, NaN and infinities are not accepted)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _check_number(body: dict, name: str, lo: float, hi: float) -> None:
@@ -97,7 +99,7 @@ def _chat_prompt(body: dict) -> str:
         if not isinstance(m, dict):
             raise ApiError(400, "each message must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"'role' must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
         text = _text_of(m.get("content"), f"messages[{i}].content")
         if role == "user":
@@ -138,7 +140,7 @@ def _parse_weights(raw, param: str) -> tuple[float, float, float]:
             raise ApiError(400, f"weight '{key}' must be a number >= 0", param)
         values.append(float(v))
     total = sum(values)
-    if total <= 0:
+    if not 0 < total < math.inf:
         raise ApiError(400, "weights must not all be zero", param)
     return tuple(v / total for v in values)  # type: ignore[return-value]
 
@@ -149,7 +151,7 @@ def _parse_budget(raw, param: str) -> float:
             raw = float(raw)
         except ValueError:
             raise ApiError(400, "budget must be a number of USD", param) from None
-    if not _is_number(raw) or raw != raw or raw < 0:
+    if not _is_number(raw) or raw < 0:
         raise ApiError(400, "budget must be a number of USD >= 0", param)
     return float(raw)
 

@@ -48,15 +48,17 @@ def _prompt_of(body: dict, chat: bool) -> tuple[str, int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("'messages' must be a non-empty list", "messages")
-        parts = []
+        parts, text = [], ""
         for m in messages:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):  # content parts: keep the text ones
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(content if isinstance(content, str) else "")
-        # The workload keys labels by the last user turn, which is what a router sees as "the prompt".
-        text = parts[-1]
-        return text, sum(approx_prompt_tokens(p) for p in parts) + CHAT_TEMPLATE_TOKENS * len(parts)
+            content = content if isinstance(content, str) else ""
+            parts.append(content)
+            if isinstance(m, dict) and m.get("role") == "user":
+                text = content
+        # Labels are keyed by the last user turn, which is what a router sees as "the prompt".
+        return text or parts[-1], sum(approx_prompt_tokens(p) for p in parts) + CHAT_TEMPLATE_TOKENS * len(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -84,10 +86,12 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         text, prompt_tokens = _prompt_of(body, chat)
     except _BadRequest as e:
         return _error(400, str(e), param=e.param)
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         return _error(400, "only n=1 is supported", param="n")
     limit = inst.engine.spec.max_model_len
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = limit - prompt_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -273,8 +277,10 @@ class EmulatedPool:
             self._timer_at = at
 
     def _tick(self) -> None:
+        # The loop's timers may fire a fraction of a millisecond early (uvloop
+        # rounds to whole ms): advance at least to the step end we woke for.
+        now = max(asyncio.get_running_loop().time(), self._timer_at)
         self._timer, self._timer_at = None, float("inf")
-        now = asyncio.get_running_loop().time()
         self._last_tick = now
         for inst in self.instances.values():
             if inst.engine.busy:

@@ -43,7 +43,7 @@ class Sequence:
     """One request inside the engine. Times are engine times (seconds)."""
 
     __slots__ = (
-        "rid", "prompt_tokens", "max_tokens", "target_tokens", "arrival",
+        "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
         "generated", "computed", "first_scheduled", "first_token_time",
         "finish_time", "finish_reason", "preemptions", "prefill_done_time",
     )
@@ -54,6 +54,7 @@ class Sequence:
         self.max_tokens = max_tokens
         # The answer the model would give, cut by max_tokens: that cut is finish_reason "length".
         self.target_tokens = max(1, min(output_tokens, max_tokens))
+        self.cut = output_tokens > max_tokens
         self.arrival = arrival
         self.generated = 0
         self.computed = 0  # tokens of (prompt + generated) whose KV is in the cache
@@ -286,7 +287,7 @@ class Engine:
             if s.first_token_time is None:
                 s.first_token_time = end
             if s.generated >= s.target_tokens:
-                s.finish_reason = "length" if s.target_tokens == s.max_tokens else "stop"
+                s.finish_reason = "length" if s.cut else "stop"
                 s.finish_time = end
                 self.running.remove(s)
                 del self._by_id[s.rid]
