@@ -17,6 +17,12 @@ def gauge(families: dict, name: str) -> float:
     return sum(s.value for s in families[name].samples)
 
 
+def running_on(stack, model: str) -> float:
+    """Requests running on all of a model's instances (round robin picks which one serves)."""
+    return sum(gauge(vllm_metrics(i.url), "vllm:num_requests_running")
+               for i in stack.store.current.instances if i.model == model)
+
+
 def test_metrics_page_parses_and_counts_a_request(stack):
     inst = stack.store.current.instances[-1]
     before = vllm_metrics(inst.url)
@@ -44,8 +50,8 @@ def test_metrics_page_parses_and_counts_a_request(stack):
 
 
 def test_client_disconnect_mid_stream_frees_the_upstream_request(stack):
-    inst = stack.store.current.instances[0]  # a 72B: a 1,000-token answer takes ~50 s
-    body = {"model": inst.model, "messages": [{"role": "user", "content": "write a long essay"}],
+    model = "Qwen/Qwen2.5-72B-Instruct"  # a 1,000-token answer takes ~50 s
+    body = {"model": model, "messages": [{"role": "user", "content": "write a long essay"}],
             "max_tokens": 1000, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", stack.base_url + "/chat/completions", json=body) as r:
@@ -53,13 +59,14 @@ def test_client_disconnect_mid_stream_frees_the_upstream_request(stack):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert gauge(vllm_metrics(inst.url), "vllm:num_requests_running") == 1
+            assert running_on(stack, model) == 1
+            served = r.headers["X-Route-Instance"]
         # the response is closed here: the client went away mid-stream
     deadline = time.monotonic() + 5
-    while gauge(vllm_metrics(inst.url), "vllm:num_requests_running") != 0:
+    while running_on(stack, model) != 0:
         assert time.monotonic() < deadline, "upstream request still running after the client left"
         time.sleep(0.05)
-    fams = vllm_metrics(inst.url)
+    fams = vllm_metrics(stack.store.current.instance(served).url)
     aborted = sum(s.value for s in fams["vllm:request_success"].samples
                   if s.name.endswith("_total") and s.labels["finished_reason"] == "abort")
     assert aborted >= 1
@@ -134,21 +141,16 @@ def test_client_disconnect_before_a_non_streamed_answer_frees_the_upstream_reque
     import orjson
 
     model = "Qwen/Qwen2.5-72B-Instruct"
-    urls = [i.url for i in stack.store.current.instances if i.model == model]
-
-    def running() -> float:
-        return sum(gauge(vllm_metrics(u), "vllm:num_requests_running") for u in urls)
-
     body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "long"}], "max_tokens": 1000})
     host, port = stack.root.split("//")[1].split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 5
-        while running() != 1:
+        while running_on(stack, model) != 1:
             assert time.monotonic() < deadline, "request never reached the instance"
             time.sleep(0.05)
     deadline = time.monotonic() + 5
-    while running() != 0:
+    while running_on(stack, model) != 0:
         assert time.monotonic() < deadline, "upstream request still running after the client left"
         time.sleep(0.05)
