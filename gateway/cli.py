@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.config import ConfigError, ConfigStore, default_config_path
+from gateway.config_watch import watch_file
 
 log = logging.getLogger("routebalance")
 
@@ -31,11 +32,21 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
     return gateway, runner
 
 
-async def start_emulator(config):
+async def start_emulator(store: ConfigStore):
+    """Start the emulated pool; it follows the fault knobs of every config reload."""
     from gateway.emulator.server import EmulatedPool
 
-    pool = EmulatedPool(config)
+    pool = EmulatedPool(store.current)
     await pool.start()
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    def on_reload(config) -> None:
+        task = loop.create_task(pool.apply_config(config))
+        tasks.add(task)  # keep a reference until done
+        task.add_done_callback(tasks.discard)
+
+    store.subscribe(on_reload)
     log.info("emulating %d vLLM instances (%s)", len(pool.instances),
              ", ".join(f"{n}@{h}:{p}" for n in pool.instances for h, p in [pool.address(n)]))
     return pool
@@ -52,13 +63,16 @@ async def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    pool = runner = None
+    pool = runner = watcher = None
     try:
         if args.command in ("emulate", "up"):
-            pool = await start_emulator(store.current)
+            pool = await start_emulator(store)
         if args.command in ("serve", "up"):
             gateway, runner = await start_gateway(store, args.host, args.port)
             loop.add_signal_handler(signal.SIGHUP, lambda: gateway.reload("SIGHUP"))
+        else:  # the emulator alone: reload faults on SIGHUP and on file changes
+            loop.add_signal_handler(signal.SIGHUP, store.reload)
+            watcher = asyncio.create_task(watch_file(store))
         if args.command == "up":
             server = store.current.server
             print(f"RouteBalance gateway on http://{args.host or server.host}:{args.port or server.port}/v1 "
@@ -68,6 +82,8 @@ async def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        if watcher:
+            watcher.cancel()
         if runner:
             await runner.cleanup()
         if pool:

@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
 from gateway.config import Config, ConfigStore
+from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.relay import (RelayResult, UpstreamFailed, client_error, open_upstream,
@@ -92,16 +93,11 @@ class Gateway:
     def reload(self, reason: str) -> tuple[bool, str]:
         log.info("config reload requested (%s)", reason)
         ok, message = self.store.reload()  # the store logs the outcome
-        self.metrics.config_reloads.labels("ok" if ok else "error").inc()
+        self.count_reload(ok)
         return ok, message
 
-    async def watch_config(self) -> None:
-        """Poll the config file and reload when it changes (no inotify dependency)."""
-        while True:
-            interval = self.store.current.server.config_watch_interval_s
-            await asyncio.sleep(interval or 1.0)
-            if interval and self.store.changed_on_disk():
-                self.reload("file changed")
+    def count_reload(self, ok: bool) -> None:
+        self.metrics.config_reloads.labels("ok" if ok else "error").inc()
 
     # ---- handlers --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -241,7 +237,7 @@ def build_app(gateway: Gateway) -> web.Application:
 
     async def lifecycle(app: web.Application):
         await gateway.open()
-        watcher = asyncio.create_task(gateway.watch_config())
+        watcher = asyncio.create_task(watch_file(gateway.store, gateway.count_reload))
         yield
         watcher.cancel()
         await gateway.close()

@@ -90,7 +90,7 @@ class Stack:
         self.root = f"http://{server.host}:{server.port}"
 
     async def _start(self):
-        pool = await start_emulator(self.store.current) if self.emulate else None
+        pool = await start_emulator(self.store) if self.emulate else None
         return pool, await start_gateway(self.store)
 
     def call(self, coro, timeout: float = 30.0):

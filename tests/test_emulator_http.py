@@ -154,3 +154,33 @@ def test_client_disconnect_before_a_non_streamed_answer_frees_the_upstream_reque
     while running_on(stack, model) != 0:
         assert time.monotonic() < deadline, "upstream request still running after the client left"
         time.sleep(0.05)
+
+
+def test_fault_knobs_follow_a_config_reload(stack):
+    original = stack.config_path.read_text()
+    target = stack.store.current.instances[-1]
+    # The last [[instances]] table ends the file: a faults table appended there is its own.
+    edited = original + "\n[instances.faults]\ndown = true\n"
+    try:
+        stack.config_path.write_text(edited)
+        assert httpx.post(stack.root + "/admin/reload", timeout=5).status_code == 200
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                httpx.get(target.url + "/health", timeout=1)
+            except httpx.ConnectError:
+                break
+            assert time.monotonic() < deadline, "instance still up after the reload said down"
+            time.sleep(0.05)
+    finally:
+        stack.config_path.write_text(original)
+        assert httpx.post(stack.root + "/admin/reload", timeout=5).status_code == 200
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            if httpx.get(target.url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline, "instance did not come back"
+        time.sleep(0.05)

@@ -260,6 +260,14 @@ class EmulatedPool:
             inst.faults.down = down
             await (self._close(name) if down else self._open(name))
 
+    async def apply_config(self, config) -> None:
+        """Take the fault knobs of a reloaded config (the pool's instances themselves are fixed at start)."""
+        for c in config.instances:
+            if c.name in self.instances:
+                f = c.faults
+                await self.set_faults(c.name, error_rate=f.error_rate, added_latency_s=f.added_latency_ms / 1000,
+                                      down=f.down)
+
     # ---- ticker ------------------------------------------------------------
     def kick(self) -> None:
         """Something changed (a request came or went): make sure the ticker wakes in time."""
