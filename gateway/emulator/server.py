@@ -108,7 +108,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
 
     rid = inst.new_request_id("chatcmpl" if chat else "cmpl")
     loop_now = asyncio.get_running_loop().time()
-    output_tokens = pool.lengths.for_prompt(text, inst.model)
+    # ignore_eos (a vLLM extension) makes the answer run to max_tokens: profiling uses it.
+    output_tokens = max_tokens if body.get("ignore_eos") is True else pool.lengths.for_prompt(text, inst.model)
     seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens, now=loop_now)
     pool.kick()
     text_seed = int(prompt_key(text)[:8], 16)

@@ -1,0 +1,102 @@
+"""Per-tier TPOT heads (XGBoost) with the static prior as fallback.
+
+A tier is a (served model, GPU) pair: instances of a tier share one head.
+Features are what the gateway can see without a forked vLLM: the last scrape
+of the instance's /metrics, its own accounting of what it dispatched there,
+and the request itself. The heads predict seconds per output token; the
+scheduler turns that into latency with the instance's pending decode work.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import xgboost as xgb
+
+from gateway.estimators import ArtefactError
+
+FEATURES = (
+    "running",  # vllm:num_requests_running at the last scrape
+    "waiting",  # vllm:num_requests_waiting at the last scrape
+    "kv_usage",  # vllm:kv_cache_usage_perc at the last scrape (0..1)
+    "decode_rate",  # generation tokens/s between the last two scrapes
+    "in_flight",  # requests the gateway has on the instance now
+    "pending_prefill_tokens",  # prompt tokens of those without a first token yet
+    "pending_decode_tokens",  # predicted tokens still to stream for those in flight
+    "prompt_tokens",  # the request's prompt
+    "output_tokens",  # the request's predicted answer length
+)
+
+# Paper's settings (papers/README.md): squared error, depth 6, eta 0.1,
+# subsample and column sample 0.8, up to 500 rounds with early stopping.
+PARAMS = {
+    "objective": "reg:squarederror",
+    "max_depth": 6,
+    "eta": 0.1,
+    "subsample": 0.8,
+    "colsample_bytree": 0.8,
+    "nthread": 2,
+}
+ROUNDS = 500
+EARLY_STOP = 30
+
+
+def tier_key(model: str, gpu: str) -> str:
+    return f"{model}@{gpu}"
+
+
+def fit_head(x: np.ndarray, tpot_s: np.ndarray, seed: int = 0) -> xgb.Booster:
+    """Fit one tier's head; a stable-hash 10% of rows is the early-stopping set."""
+    if len(x) < 20:
+        raise ValueError(f"need at least 20 traces to fit a head, got {len(x)}")
+    rng = np.random.default_rng(seed)
+    valid = rng.random(len(x)) < 0.1
+    dtrain = xgb.DMatrix(x[~valid], label=tpot_s[~valid] * 1000, feature_names=list(FEATURES))
+    dvalid = xgb.DMatrix(x[valid], label=tpot_s[valid] * 1000, feature_names=list(FEATURES))
+    return xgb.train({**PARAMS, "seed": seed}, dtrain, ROUNDS, evals=[(dvalid, "valid")],
+                     early_stopping_rounds=EARLY_STOP, verbose_eval=False)
+
+
+class LatencyHeads:
+    """TPOT per tier: the tier's booster if there is one, else its static prior."""
+
+    def __init__(self, boosters: Mapping[str, xgb.Booster], priors_s: Mapping[str, float]):
+        self.boosters = dict(boosters)
+        self.priors_s = dict(priors_s)
+
+    def tpot(self, tier: str, x: np.ndarray) -> np.ndarray:
+        """Seconds per output token for each feature row (n, len(FEATURES))."""
+        booster = self.boosters.get(tier)
+        if booster is None:
+            return np.full(len(x), self.priors_s[tier])
+        pred = booster.inplace_predict(np.asarray(x, dtype=np.float32)) / 1000
+        # A head never predicts faster than the tier's unloaded decode: that floor is physics.
+        return np.maximum(pred, self.priors_s[tier] * 0.5)
+
+    def save(self, directory: Path) -> dict[str, str]:
+        """Write one JSON booster per tier; returns tier -> file name."""
+        directory.mkdir(parents=True, exist_ok=True)
+        files = {}
+        for i, (tier, booster) in enumerate(sorted(self.boosters.items())):
+            name = f"tpot_head_{i}.json"
+            booster.save_model(directory / name)
+            files[tier] = name
+        return files
+
+    @classmethod
+    def load(cls, directory: Path, files: Mapping[str, str], priors_s: Mapping[str, float]) -> LatencyHeads:
+        boosters = {}
+        for tier, name in files.items():
+            path = directory / name
+            booster = xgb.Booster()
+            try:
+                booster.load_model(path)
+            except (xgb.core.XGBoostError, OSError, json.JSONDecodeError) as e:
+                raise ArtefactError(f"{path}: cannot load TPOT head for {tier}: {str(e).splitlines()[0]}") from None
+            if booster.feature_names != list(FEATURES):
+                raise ArtefactError(f"{path}: TPOT head has features {booster.feature_names}, expected {list(FEATURES)}")
+            boosters[tier] = booster
+        return cls(boosters, priors_s)

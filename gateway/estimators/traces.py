@@ -1,0 +1,158 @@
+"""Latency traces for the TPOT heads: one row per request of a tier-local rate sweep.
+
+Each row holds the features the gateway saw when it dispatched the request
+(latency.FEATURES) and the TPOT the request then got. `virtual_sweep` drives
+the emulator's engine model in virtual time (seconds of work for the built-in
+pool); `profile.live_sweep` does the same over HTTP against any
+OpenAI-compatible instance. Both feed the same GatewayView bookkeeping, so a
+head trained on either sees features computed the same way as at serve time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from gateway.engine.engine import Engine
+from gateway.engine.profiles import arch_for, spec_for_instance
+from gateway.estimators.latency import FEATURES, tier_key
+from gateway.telemetry import EngineSnapshot
+
+SWEEP_LOAD = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)  # shares of the tier's estimated request capacity
+
+
+@dataclass(slots=True)
+class _InFlight:
+    prompt_tokens: int
+    output_tokens: int
+    streamed: int = 0
+
+
+@dataclass(slots=True)
+class GatewayView:
+    """What the gateway knows of one instance: the last two scrapes and its own dispatches."""
+
+    last: EngineSnapshot | None = None
+    last_at: float = 0.0
+    decode_rate: float = 0.0
+    in_flight: dict = field(default_factory=dict)
+
+    def scraped(self, snap: EngineSnapshot, now: float) -> None:
+        if self.last is not None and now > self.last_at:
+            self.decode_rate = max(0.0, (snap.generation_tokens - self.last.generation_tokens) / (now - self.last_at))
+        self.last, self.last_at = snap, now
+
+    def dispatched(self, rid, prompt_tokens: int, output_tokens: int) -> None:
+        self.in_flight[rid] = _InFlight(prompt_tokens, output_tokens)
+
+    def streamed(self, rid, tokens: int) -> None:
+        if rid in self.in_flight:
+            self.in_flight[rid].streamed = tokens
+
+    def done(self, rid) -> None:
+        self.in_flight.pop(rid, None)
+
+    def features(self, prompt_tokens: int, output_tokens: int) -> list[float]:
+        snap = self.last or EngineSnapshot(0, 0, 0, 0, 0)
+        flights = self.in_flight.values()
+        return [
+            snap.running, snap.waiting, snap.kv_usage, self.decode_rate, len(self.in_flight),
+            sum(f.prompt_tokens for f in flights if f.streamed == 0),
+            sum(max(f.output_tokens - f.streamed, 0) for f in flights),
+            prompt_tokens, output_tokens,
+        ]
+
+
+def capacity_rps(inst, mean_output_tokens: float) -> float:
+    """Rough request ceiling of one instance: its decode ceiling over the mean answer."""
+    spec = spec_for_instance(inst)
+    return 1.0 / (spec.tpot_s * spec.batch_slope) / mean_output_tokens
+
+
+def virtual_sweep(inst, lengths: list[tuple[int, int]], *, requests_per_rate: int = 400,
+                  loads: Iterable[float] = SWEEP_LOAD, scrape_interval_s: float = 0.5, seed: int = 0) -> list[dict]:
+    """Poisson sweeps against one instance's engine model, in virtual time.
+
+    `lengths` are (prompt_tokens, output_tokens) pairs drawn in turn; rates are
+    shares of the instance's estimated capacity."""
+    rng = random.Random(seed)
+    tier = tier_key(inst.model, inst.gpu)
+    mean_out = float(np.mean([o for _, o in lengths])) if lengths else arch_for(inst.model).mean_output_tokens
+    rows: list[dict] = []
+    for load in loads:
+        rate = load * capacity_rps(inst, mean_out)
+        engine, view = Engine(spec_for_instance(inst)), GatewayView()
+        generated_total, feats = 0, {}
+        t, next_scrape = 0.0, 0.0
+
+        def advance(until: float) -> None:
+            nonlocal generated_total, next_scrape
+            while next_scrape <= until:  # scrapes happen on their own clock
+                step(next_scrape)
+                view.scraped(EngineSnapshot(engine.num_running, engine.num_waiting, engine.kv_usage(),
+                                            generated_total, 0), next_scrape)
+                next_scrape += scrape_interval_s
+            step(until)
+
+        def step(until: float) -> None:
+            nonlocal generated_total
+            report = engine.advance(until)
+            generated_total += report.generation_tokens
+            for s in report.progressed:
+                view.streamed(s.rid, s.generated)
+            for s in report.finished:
+                view.done(s.rid)
+                if s.generated > 1:
+                    rows.append(_row(tier, rate, feats.pop(s.rid), s))
+
+        for k in range(requests_per_rate):
+            t += rng.expovariate(rate)
+            advance(t)
+            prompt_tokens, output_tokens = lengths[(k + int(load * 1000)) % len(lengths)]
+            feats[k] = view.features(prompt_tokens, output_tokens)
+            view.dispatched(k, prompt_tokens, output_tokens)
+            engine.add(k, prompt_tokens=prompt_tokens, max_tokens=output_tokens, output_tokens=output_tokens, now=t)
+        while engine.busy:
+            t += scrape_interval_s
+            advance(t)
+    return rows
+
+
+def _row(tier: str, rate: float, feats: list[float], seq) -> dict:
+    return {
+        "tier": tier, "rate": rate, **dict(zip(FEATURES, feats)),
+        "tpot_s": (seq.finish_time - seq.first_token_time) / (seq.generated - 1),
+        "ttft_s": seq.first_token_time - seq.arrival, "e2e_s": seq.finish_time - seq.arrival,
+    }
+
+
+def write_traces(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+def read_traces(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+            missing = [k for k in ("tier", "tpot_s", *FEATURES) if k not in row]
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+        if missing:
+            raise ValueError(f"{path}:{n}: trace row lacks {', '.join(missing)}")
+        rows.append(row)
+    return rows
+
+
+def to_arrays(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.array([[r[f] for f in FEATURES] for r in rows], dtype=np.float32)
+    y = np.array([r["tpot_s"] for r in rows], dtype=np.float64)
+    return x, y
