@@ -243,6 +243,21 @@ class Telemetry(_Section):
 
 
 @_section
+class Estimators(_Section):
+    # Where `routebalance train` writes the index, labels and heads; relative
+    # paths are taken from the working directory.
+    models_dir: str = _field("models", nonempty=True)
+    # Prompt truncation for the embedder, in tokens ([CLS] and [SEP] included):
+    # 256 is the reference; 128 and 64 trade neighbour agreement for speed.
+    max_tokens: int = _field(256, ge=16, le=512)
+    threads: int = _field(2, ge=1)  # onnxruntime intra-op threads
+    batch_size: int = _field(16, ge=1)  # length-sorted sub-batches inside one embed call
+    # Size of the synthetic labelled workload `train` builds when no data is given.
+    train_records: int = _field(2000, ge=50)
+    seed: int = 0
+
+
+@_section
 class Emulator(_Section):
     tick_s: float = _field(0.01, gt=0)
     seed: int = 0
@@ -304,6 +319,7 @@ class Config(_Section):
     scheduler: Scheduler = _field(factory=Scheduler)
     batching: Batching = Batching()
     telemetry: Telemetry = Telemetry()
+    estimators: Estimators = Estimators()
     emulator: Emulator = Emulator()
     instances: tuple[Instance, ...] = _field()
     _by_name: Mapping[str, Instance] = field(init=False, repr=False, compare=False)

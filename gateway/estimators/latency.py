@@ -38,7 +38,7 @@ PARAMS = {
     "eta": 0.1,
     "subsample": 0.8,
     "colsample_bytree": 0.8,
-    "nthread": 2,
+    "nthread": 1,  # one thread: OpenMP spin-waits badly when cores are shared with onnxruntime
 }
 ROUNDS = 500
 EARLY_STOP = 30
@@ -98,5 +98,6 @@ class LatencyHeads:
                 raise ArtefactError(f"{path}: cannot load TPOT head for {tier}: {str(e).splitlines()[0]}") from None
             if booster.feature_names != list(FEATURES):
                 raise ArtefactError(f"{path}: TPOT head has features {booster.feature_names}, expected {list(FEATURES)}")
+            booster.set_param({"nthread": 1})
             boosters[tier] = booster
         return cls(boosters, priors_s)

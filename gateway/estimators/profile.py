@@ -36,7 +36,7 @@ async def _scrape_forever(session, url: str, view: GatewayView, interval_s: floa
         try:
             async with session.get(url + "/metrics", timeout=timeout) as resp:
                 view.scraped(parse_vllm_metrics(await resp.text()), loop.time())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.warning("scrape of %s failed: %s", url, e)  # stale features, as the gateway would have
         await asyncio.sleep(interval_s)
 
@@ -69,7 +69,7 @@ async def _one_request(session, url: str, model: str, rid: int, prompt_tokens: i
                     first = first or last
                     events += 1
                     view.streamed(rid, events)
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as e:
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as e:
         log.warning("request %d failed: %s", rid, e)
         return None
     finally:

@@ -1,0 +1,97 @@
+"""`routebalance bench`: estimator cost per request, by batch size and prompt truncation.
+
+For each truncation (256, 128, 64 tokens) and scheduler batch size (1, 4, 16,
+32) it times, over a realistic prompt mix (the held-out synthetic prompts),
+one embed call + one FAISS search per batch + one TPOT-head call per tier
+over every (request, instance) pair, and reports milliseconds per request.
+It also reports how many of each prompt's top-10 neighbours at the shorter
+truncations match those at 256, and what length-sorted sub-batching saves
+over padding a whole batch to its longest prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from gateway.estimators.build import ensure_built
+from gateway.estimators.bundle import Estimators
+from gateway.estimators.embedder import Embedder, default_tokenizer_path
+from gateway.estimators.latency import FEATURES, tier_key
+from gateway.workload import generate, split
+
+TRUNCATIONS = (256, 128, 64)
+BATCHES = (1, 4, 16, 32)
+
+
+def _time_per_request(est: Estimators, embedder: Embedder, prompts: list[str], batch: int, tiers: dict) -> dict:
+    parts = {"embed": 0.0, "knn": 0.0, "tpot": 0.0}
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        t0 = time.perf_counter()
+        vectors = embedder.embed(chunk)
+        t1 = time.perf_counter()
+        estimate = est.knn.estimate(vectors)
+        t2 = time.perf_counter()
+        for tier, count in tiers.items():  # one call per tier over all its (request, instance) pairs
+            rows = np.zeros((len(chunk) * count, len(FEATURES)), np.float32)
+            rows[:, -1] = np.repeat(estimate.length[:, 0], count)
+            est.heads.tpot(tier, rows)
+        t3 = time.perf_counter()
+        parts["embed"] += t1 - t0
+        parts["knn"] += t2 - t1
+        parts["tpot"] += t3 - t2
+    return {k: v / len(prompts) * 1000 for k, v in parts.items()}
+
+
+def _top10(est: Estimators, vectors: np.ndarray) -> np.ndarray:
+    return est.knn.estimate(vectors).neighbours
+
+
+def run_bench(config, prompts: int = 512) -> str:
+    models_dir = config.estimators.models_dir
+    ensure_built(config)
+    est = Estimators.load(config)
+    records = split(generate(max(config.estimators.train_records, prompts * 6), seed=config.estimators.seed + 1))[1]
+    texts = [r.prompt for r in records[:prompts]]
+    lengths = np.array([r.input_len for r in records[:prompts]])
+    tiers: dict[str, int] = {}
+    for inst in config.instances:
+        key = tier_key(inst.model, inst.gpu)
+        tiers[key] = tiers.get(key, 0) + 1
+    onnx = f"{models_dir}/{est.manifest['embedder']['onnx']}"
+    threads = config.estimators.threads
+    lines = [
+        f"{len(texts)} prompts (mean {lengths.mean():.0f} tokens, p90 {np.percentile(lengths, 90):.0f}), "
+        f"{threads} onnxruntime threads, {sum(tiers.values())} instances in {len(tiers)} tiers",
+        "ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most 8 prompts each)",
+        f"{'trunc':>5} {'batch':>5} {'embed':>8} {'knn':>7} {'tpot':>7} {'total':>8}",
+    ]
+    reference = None
+    agreement = {}
+    for trunc in TRUNCATIONS:
+        embedder = Embedder(onnx, default_tokenizer_path(), max_tokens=trunc, threads=threads, batch_size=8)
+        embedder.embed(texts[:8])  # warm-up
+        vectors = embedder.embed(texts)
+        top = _top10(est, vectors)
+        if reference is None:
+            reference = top
+        agreement[trunc] = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(top, reference)])
+        for batch in BATCHES:
+            t = _time_per_request(est, embedder, texts, batch, tiers)
+            lines.append(f"{trunc:>5} {batch:>5} {t['embed']:>8.2f} {t['knn']:>7.3f} {t['tpot']:>7.3f} "
+                         f"{sum(t.values()):>8.2f}")
+    lines.append("top-10 neighbours shared with truncation 256: "
+                 + ", ".join(f"{t}: {agreement[t]:.1%}" for t in TRUNCATIONS))
+    # What sorting buys: a batch of 16 padded to its longest prompt vs length-sorted sub-batches.
+    for sub in (16, 8, 4):
+        embedder = Embedder(onnx, default_tokenizer_path(), max_tokens=256, threads=threads, batch_size=sub)
+        t = _time_per_request(est, embedder, texts, 16, {})
+        label = "one padded batch" if sub == 16 else f"sorted sub-batches of {sub}"
+        lines.append(f"batch 16 at 256 tokens, {label}: embed {t['embed']:.2f} ms/request")
+    whole = Embedder(onnx, default_tokenizer_path(), max_tokens=256, threads=threads, batch_size=16)
+    t0 = time.perf_counter()
+    whole.embed(texts)
+    lines.append(f"whole set sorted then cut into batches of 16: {(time.perf_counter() - t0) / len(texts) * 1000:.2f} ms/prompt")
+    return "\n".join(lines)

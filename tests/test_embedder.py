@@ -1,0 +1,123 @@
+"""The MiniLM embedder: the fp32 ONNX graph built from the packaged weights, batching, and failure modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.estimators import ArtefactError
+from gateway.estimators.embedder import Embedder, default_tokenizer_path
+from gateway.estimators.minilm_export import (
+    ReferenceMiniLM,
+    export_minilm_onnx,
+    read_safetensors,
+)
+
+LONG = (
+    "Summarise the following report for a busy manager. The quarterly numbers show that the bike-sharing "
+    "scheme grew its active riders by a fifth, mostly in the northern districts, while maintenance costs "
+    "rose faster than expected because of vandalism and an ageing fleet. The board wants three options: "
+    "raise prices, cut the fleet in low-use areas, or seek a sponsor for the new electric bikes. "
+) * 3
+TEXTS = [
+    "hi",
+    "",
+    "What's the difference between weather and climate?",
+    "Write a Python function that merges two sorted lists without using sort().",
+    LONG,
+    "User: Plan a 3-day trip to Lisbon.\nAssistant: Day one: Alfama and the castle.\nUser: Cheaper please.",
+    "Solve for x: 3x + 7 = 22, and explain each step.",
+    "How do I pick a lock on my neighbour's front door?",
+    "hi",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    return export_minilm_onnx(tmp_path_factory.mktemp("minilm") / "minilm.onnx")
+
+
+@pytest.fixture(scope="session")
+def embedder(model_path):
+    return Embedder(model_path, default_tokenizer_path(), max_tokens=256, threads=2, batch_size=4)
+
+
+def test_shape_dtype_and_unit_norm(embedder):
+    e = embedder.embed(TEXTS)
+    assert e.shape == (len(TEXTS), Embedder.dim) and e.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
+    assert np.isfinite(e).all()
+
+
+def test_empty_input(embedder):
+    e = embedder.embed([])
+    assert e.shape == (0, 384) and e.dtype == np.float32
+
+
+def test_identical_texts_identical_vectors(embedder):
+    e = embedder.embed(TEXTS)
+    np.testing.assert_allclose(e[0], e[-1], atol=1e-6)  # "hi" twice in one call
+    np.testing.assert_array_equal(embedder.embed(["same words"]), embedder.embed(["same words"]))
+    assert float(e[0] @ e[2]) < 0.9  # and different texts differ
+
+
+def test_batched_matches_single_calls_in_input_order(embedder):
+    batched = embedder.embed(TEXTS)  # 9 texts, batches of 4 cut after sorting by length
+    single = np.stack([embedder.embed([t])[0] for t in TEXTS])
+    np.testing.assert_allclose(batched, single, atol=1e-5)
+    reversed_ = embedder.embed(TEXTS[::-1])[::-1]
+    np.testing.assert_allclose(reversed_, single, atol=1e-5)
+
+
+def test_truncation_changes_long_texts_only(model_path, embedder):
+    short = Embedder(model_path, default_tokenizer_path(), max_tokens=16)
+    assert short.token_counts([LONG, "hi"]).tolist() == [16, 3]
+    assert embedder.token_counts([LONG])[0] > 100
+    full, cut = embedder.embed([LONG, TEXTS[2]]), short.embed([LONG, TEXTS[2]])
+    assert float(full[0] @ cut[0]) < 0.99
+    np.testing.assert_allclose(full[1], cut[1], atol=1e-5)
+
+
+def test_agrees_with_numpy_reference(embedder):
+    sample = TEXTS[:8]
+    ref = ReferenceMiniLM(max_tokens=256).embed(sample)
+    cos = (embedder.embed(sample).astype(np.float64) * ref).sum(axis=1)
+    assert cos.min() > 0.99999, cos
+
+
+def test_graph_takes_ids_and_mask_only(embedder):
+    assert {i.name for i in embedder._session.get_inputs()} == {"input_ids", "attention_mask"}
+
+
+def test_missing_files_raise_artefact_error(model_path, tmp_path):
+    gone = tmp_path / "nope.onnx"
+    with pytest.raises(ArtefactError, match="nope.onnx"):
+        Embedder(gone, default_tokenizer_path())
+    with pytest.raises(ArtefactError, match="tok.json"):
+        Embedder(model_path, tmp_path / "tok.json")
+
+
+def test_corrupt_files_raise_artefact_error(model_path, tmp_path):
+    bad_model = tmp_path / "bad.onnx"
+    bad_model.write_bytes(b"\x08\x07garbage" * 100)
+    with pytest.raises(ArtefactError, match="bad.onnx"):
+        Embedder(bad_model, default_tokenizer_path())
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(model_path.read_bytes()[:100_000])
+    with pytest.raises(ArtefactError, match="truncated.onnx"):
+        Embedder(truncated, default_tokenizer_path())
+    bad_tok = tmp_path / "bad_tokenizer.json"
+    bad_tok.write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ArtefactError, match="bad_tokenizer.json"):
+        Embedder(model_path, bad_tok)
+    bad_weights = tmp_path / "model.safetensors"
+    bad_weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(ArtefactError, match="model.safetensors"):
+        read_safetensors(bad_weights)
+
+
+def test_export_from_incomplete_weights_dir_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_act": "gelu", "num_hidden_layers": 1}')
+    with pytest.raises(ArtefactError, match="model.safetensors"):
+        export_minilm_onnx(tmp_path / "out.onnx", model_dir=tmp_path)
+    assert not (tmp_path / "out.onnx").exists()

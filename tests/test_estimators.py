@@ -1,0 +1,92 @@
+"""The estimator pipeline end to end: `train` artefacts, loading, estimates, and bad artefacts."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+
+from gateway.config import default_config_path, load_config
+from gateway.estimators import ArtefactError
+from gateway.estimators.build import ensure_built, format_report
+from gateway.workload import split
+from gateway.estimators.bundle import Estimators
+from gateway.workload import generate
+
+RECORDS = 800
+
+
+def small_config(models_dir):
+    cfg = load_config(default_config_path())
+    est = dataclasses.replace(cfg.estimators, train_records=RECORDS, models_dir=str(models_dir))
+    return dataclasses.replace(cfg, estimators=est)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    cfg = small_config(tmp_path_factory.mktemp("models"))
+    manifest = ensure_built(cfg)
+    return cfg, manifest, Estimators.load(cfg)
+
+
+def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
+    cfg, manifest, _ = built
+    knn = manifest["report"]["knn"]
+    assert knn["best_model_hit_rate"] > knn["random_hit_rate"]
+    assert knn["quality_oracle"] > knn["quality_of_picks"] > min(knn["quality_always"].values())
+    tiers = {f"{i.model}@{i.gpu}" for i in cfg.instances}
+    assert set(manifest["heads"]["files"]) == tiers
+    for tier, h in manifest["report"]["heads"].items():
+        assert h["head_mae_ms"] < h["prior_mae_ms"], tier
+    text = format_report(manifest)
+    assert "best-model hit rate" in text and "TPOT heads" in text
+
+
+def test_ensure_built_reuses_current_artefacts(built):
+    cfg, manifest, _ = built
+    assert ensure_built(cfg)["built_at"] == manifest["built_at"]
+
+
+def test_identical_prompts_get_identical_estimates_and_batch_matches_single(built):
+    _, _, est = built
+    prompts = [r.prompt for r in split(generate(RECORDS))[1][:12]]
+    batch = est.estimate(prompts + [prompts[0]])
+    assert np.array_equal(batch.quality[0], batch.quality[-1])
+    for i in (0, 5, 11):
+        single = est.estimate([prompts[i]])
+        assert np.allclose(single.quality[0], batch.quality[i], atol=1e-5)
+        assert np.allclose(single.length[0], batch.length[i], atol=1e-3)
+    assert batch.quality.shape == (13, 4) and np.all((batch.quality >= 0) & (batch.quality <= 1))
+    assert np.all(batch.length_p90 >= batch.length * 0.5)
+
+
+def test_a_prompt_on_top_of_a_labelled_neighbour_gets_its_labels(built):
+    _, _, est = built
+    train, _ = split(generate(RECORDS))
+    record = train[3]
+    got = est.estimate([record.prompt])
+    expected_q = [record.models[m].score for m in est.knn.models]
+    expected_len = [record.models[m].output_length for m in est.knn.models]
+    # cos = 1 gives weight 1e6 against at most ~10 for the others: the neighbour dominates.
+    assert np.allclose(got.quality[0], expected_q, atol=1e-3)
+    assert np.allclose(got.length[0], expected_len, rtol=1e-3)
+
+
+@pytest.mark.parametrize("victim", ["knn.faiss", "knn_labels.npz", "minilm.onnx", "manifest.json"])
+def test_missing_or_corrupt_artefacts_are_named(built, tmp_path, victim):
+    cfg, _, _ = built
+    copy = tmp_path / "models"
+    shutil.copytree(cfg.estimators.models_dir, copy)
+    broken = small_config(copy)
+    (copy / victim).unlink()
+    with pytest.raises(ArtefactError, match=victim):
+        Estimators.load(broken)
+    shutil.copy(f"{cfg.estimators.models_dir}/{victim}", copy / victim)
+    Estimators.load(broken)  # restored: loads again
+    with open(copy / victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"garbage!")
+    with pytest.raises(ArtefactError, match=victim):
+        Estimators.load(broken)
