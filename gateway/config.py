@@ -251,7 +251,7 @@ class Estimators(_Section):
     # 256 is the reference; 128 and 64 trade neighbour agreement for speed.
     max_tokens: int = _field(256, ge=16, le=512)
     threads: int = _field(2, ge=1)  # onnxruntime intra-op threads
-    batch_size: int = _field(16, ge=1)  # length-sorted sub-batches inside one embed call
+    batch_size: int = _field(8, ge=1)  # length-sorted sub-batches inside one embed call
     # Size of the synthetic labelled workload `train` builds when no data is given.
     train_records: int = _field(2000, ge=50)
     seed: int = 0

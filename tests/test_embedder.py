@@ -11,6 +11,7 @@ from gateway.estimators.minilm_export import (
     ReferenceMiniLM,
     export_minilm_onnx,
     read_safetensors,
+    weights_dir,
 )
 
 LONG = (
@@ -117,7 +118,15 @@ def test_corrupt_files_raise_artefact_error(model_path, tmp_path):
 
 
 def test_export_from_incomplete_weights_dir_names_the_file(tmp_path):
-    (tmp_path / "config.json").write_text('{"hidden_act": "gelu", "num_hidden_layers": 1}')
+    (tmp_path / "config.json").write_text((weights_dir() / "config.json").read_text())
     with pytest.raises(ArtefactError, match="model.safetensors"):
         export_minilm_onnx(tmp_path / "out.onnx", model_dir=tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_act": "gelu"}')
+    with pytest.raises(ArtefactError, match="config.json"):
+        export_minilm_onnx(tmp_path / "out.onnx", model_dir=tmp_path)
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_embed_rejects_a_bare_string(embedder):
+    with pytest.raises(TypeError):
+        embedder.embed("one prompt")

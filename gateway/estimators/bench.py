@@ -65,13 +65,15 @@ def run_bench(config, prompts: int = 512) -> str:
     lines = [
         f"{len(texts)} prompts (mean {lengths.mean():.0f} tokens, p90 {np.percentile(lengths, 90):.0f}), "
         f"{threads} onnxruntime threads, {sum(tiers.values())} instances in {len(tiers)} tiers",
-        "ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most 8 prompts each)",
+        f"ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most "
+        f"{config.estimators.batch_size} prompts each)",
         f"{'trunc':>5} {'batch':>5} {'embed':>8} {'knn':>7} {'tpot':>7} {'total':>8}",
     ]
     reference = None
     agreement = {}
     for trunc in TRUNCATIONS:
-        embedder = Embedder(onnx, default_tokenizer_path(), max_tokens=trunc, threads=threads, batch_size=8)
+        embedder = Embedder(onnx, default_tokenizer_path(), max_tokens=trunc, threads=threads,
+                            batch_size=config.estimators.batch_size)
         embedder.embed(texts[:8])  # warm-up
         vectors = embedder.embed(texts)
         top = _top10(est, vectors)

@@ -114,6 +114,8 @@ class Embedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """(n, 384) float32, rows L2-normalised, in input order."""
+        if isinstance(texts, str):
+            raise TypeError("embed takes a sequence of texts, not one str")
         texts = list(texts)
         out = np.zeros((len(texts), self.dim), np.float32)
         if not texts:

@@ -19,6 +19,9 @@ from gateway.estimators import ArtefactError
 
 K = 10
 EPS = 1e-6
+# The index is small (thousands of rows): OpenMP threads cost more than they
+# save on a batch's search, and they would contend with onnxruntime's.
+faiss.omp_set_num_threads(1)
 
 
 @dataclass(frozen=True, slots=True)
