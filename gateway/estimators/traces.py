@@ -81,45 +81,55 @@ def virtual_sweep(inst, lengths: list[tuple[int, int]], *, requests_per_rate: in
     `lengths` are (prompt_tokens, output_tokens) pairs drawn in turn; rates are
     shares of the instance's estimated capacity."""
     rng = random.Random(seed)
-    tier = tier_key(inst.model, inst.gpu)
     mean_out = float(np.mean([o for _, o in lengths])) if lengths else arch_for(inst.model).mean_output_tokens
     rows: list[dict] = []
     for load in loads:
         rate = load * capacity_rps(inst, mean_out)
-        engine, view = Engine(spec_for_instance(inst)), GatewayView()
-        generated_total, feats = 0, {}
-        t, next_scrape = 0.0, 0.0
+        offset = int(load * 1000)  # each rate starts at a different place in `lengths`
+        rows += _sweep_at(inst, rate, lengths[offset % len(lengths):] + lengths[:offset % len(lengths)],
+                          requests_per_rate, scrape_interval_s, rng)
+    return rows
 
-        def advance(until: float) -> None:
-            nonlocal generated_total, next_scrape
-            while next_scrape <= until:  # scrapes happen on their own clock
-                step(next_scrape)
-                view.scraped(EngineSnapshot(engine.num_running, engine.num_waiting, engine.kv_usage(),
-                                            generated_total, 0), next_scrape)
-                next_scrape += scrape_interval_s
-            step(until)
 
-        def step(until: float) -> None:
-            nonlocal generated_total
-            report = engine.advance(until)
-            generated_total += report.generation_tokens
-            for s in report.progressed:
-                view.streamed(s.rid, s.generated)
-            for s in report.finished:
-                view.done(s.rid)
-                if s.generated > 1:
-                    rows.append(_row(tier, rate, feats.pop(s.rid), s))
+def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: float, rng: random.Random) -> list[dict]:
+    tier = tier_key(inst.model, inst.gpu)
+    engine, view = Engine(spec_for_instance(inst)), GatewayView()
+    rows: list[dict] = []
+    dispatch_features: dict[int, list[float]] = {}
+    generated_total = 0
+    next_scrape = 0.0
 
-        for k in range(requests_per_rate):
-            t += rng.expovariate(rate)
-            advance(t)
-            prompt_tokens, output_tokens = lengths[(k + int(load * 1000)) % len(lengths)]
-            feats[k] = view.features(prompt_tokens, output_tokens)
-            view.dispatched(k, prompt_tokens, output_tokens)
-            engine.add(k, prompt_tokens=prompt_tokens, max_tokens=output_tokens, output_tokens=output_tokens, now=t)
-        while engine.busy:
-            t += scrape_interval_s
-            advance(t)
+    def run_engine(until: float) -> None:
+        nonlocal generated_total
+        report = engine.advance(until)
+        generated_total += report.generation_tokens
+        for s in report.progressed:
+            view.streamed(s.rid, s.generated)
+        for s in report.finished:
+            view.done(s.rid)
+            if s.generated > 1:
+                rows.append(_row(tier, rate, dispatch_features.pop(s.rid), s))
+
+    def advance(until: float) -> None:
+        nonlocal next_scrape
+        while next_scrape <= until:  # scrapes happen on their own clock
+            run_engine(next_scrape)
+            view.scraped(EngineSnapshot(engine.num_running, engine.num_waiting, engine.kv_usage(),
+                                        generated_total, 0), next_scrape)
+            next_scrape += scrape_interval_s
+        run_engine(until)
+
+    t = 0.0
+    for k in range(requests):
+        t += rng.expovariate(rate)
+        advance(t)
+        prompt_tokens, output_tokens = lengths[k % len(lengths)]
+        dispatch_features[k] = view.features(prompt_tokens, output_tokens)
+        view.dispatched(k, prompt_tokens, output_tokens)
+        engine.add(k, prompt_tokens=prompt_tokens, max_tokens=output_tokens, output_tokens=output_tokens, now=t)
+    while engine.busy:
+        t += scrape_interval_s
+        advance(t)
     return rows
 
 
