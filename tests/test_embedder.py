@@ -130,3 +130,19 @@ def test_export_from_incomplete_weights_dir_names_the_file(tmp_path):
 def test_embed_rejects_a_bare_string(embedder):
     with pytest.raises(TypeError):
         embedder.embed("one prompt")
+
+
+def test_sub_batch_plan_groups_similar_lengths_and_covers_every_prompt():
+    from gateway.estimators.embedder import CALL_OVERHEAD_TOKENS, plan_sub_batches
+
+    lengths = np.array([10, 11, 12, 12, 200, 205, 210, 400])
+    spans = plan_sub_batches(lengths, max_size=4)
+    assert spans[0][0] == 0 and spans[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no gaps or overlaps
+    assert all(0 < stop - start <= 4 for start, stop in spans)
+    # the short ones share a call; nothing short is padded to a long one
+    assert (0, 4) in spans and all(lengths[start] > 100 for start, _ in spans[1:])
+    # the plan is never worse than fixed cuts of 4
+    def cost(sp):
+        return sum(CALL_OVERHEAD_TOKENS + (b - a) * lengths[b - 1] for a, b in sp)
+    assert cost(spans) <= cost([(0, 4), (4, 8)])

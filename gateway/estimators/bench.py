@@ -5,8 +5,8 @@ For each truncation (256, 128, 64 tokens) and scheduler batch size (1, 4, 16,
 one embed call + one FAISS search per batch + one TPOT-head call per tier
 over every (request, instance) pair, and reports milliseconds per request.
 It also reports how many of each prompt's top-10 neighbours at the shorter
-truncations match those at 256, and what length-sorted sub-batching saves
-over padding a whole batch to its longest prompt.
+truncations match those at 256, and the per-prompt cost of embedding the
+whole set in one call (the floor batching can approach).
 """
 
 from __future__ import annotations
@@ -86,12 +86,6 @@ def run_bench(config, prompts: int = 512) -> str:
                          f"{sum(t.values()):>8.2f}")
     lines.append("top-10 neighbours shared with truncation 256: "
                  + ", ".join(f"{t}: {agreement[t]:.1%}" for t in TRUNCATIONS))
-    # What sorting buys: a batch of 16 padded to its longest prompt vs length-sorted sub-batches.
-    for sub in (16, 8, 4):
-        embedder = Embedder(onnx, default_tokenizer_path(), max_tokens=256, threads=threads, batch_size=sub)
-        t = _time_per_request(est, embedder, texts, 16, {})
-        label = "one padded batch" if sub == 16 else f"sorted sub-batches of {sub}"
-        lines.append(f"batch 16 at 256 tokens, {label}: embed {t['embed']:.2f} ms/request")
     whole = Embedder(onnx, default_tokenizer_path(), max_tokens=256, threads=threads, batch_size=16)
     t0 = time.perf_counter()
     whole.embed(texts)

@@ -1,9 +1,10 @@
 """Prompt embeddings: all-MiniLM-L6-v2 as ONNX on onnxruntime, on the CPU.
 
 Texts are tokenised with `tokenizers` (truncated to `max_tokens` including
-[CLS] and [SEP]), ordered by token count and cut into batches of
+[CLS] and [SEP]), ordered by token count and cut into sub-batches of at most
 `batch_size`, each padded only to its own longest text: padding every batch
-to the longest prompt costs more than batching saves.  The encoder's
+to the longest prompt costs more than batching saves. Where to cut is chosen
+by `plan_sub_batches`, which weighs padded tokens against per-call overhead.  The encoder's
 last hidden state is mean-pooled over the attention mask and L2-normalised;
 rows come back in input order.
 
@@ -29,6 +30,32 @@ _MAX_POSITIONS = 512
 def default_tokenizer_path() -> Path:
     """all-MiniLM-L6-v2's tokenizer.json, shipped beside the reference weights."""
     return weights_dir() / "tokenizer.json"
+
+
+# One onnxruntime call costs about as much as this many tokens of encoder work
+# (measured here: ~2.5 ms per call, ~0.14 ms per padded token at 2 threads).
+CALL_OVERHEAD_TOKENS = 18
+
+
+def plan_sub_batches(sorted_lengths: np.ndarray, max_size: int) -> list[tuple[int, int]]:
+    """Cut length-sorted prompts into sub-batches minimising padded tokens plus per-call overhead.
+
+    A sub-batch [i, j) costs CALL_OVERHEAD_TOKENS + (j - i) * sorted_lengths[j - 1]
+    (everything pads to its longest, the last). Exact dynamic programme, O(n * max_size)."""
+    n = len(sorted_lengths)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        for i in range(max(0, j - max_size), j):
+            cost = best[i] + CALL_OVERHEAD_TOKENS + (j - i) * float(sorted_lengths[j - 1])
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    spans, j = [], n
+    while j > 0:
+        spans.append((int(cut[j]), j))
+        j = int(cut[j])
+    return spans[::-1]
 
 
 class Embedder:
@@ -115,8 +142,8 @@ class Embedder:
         encodings = self._tokenizer.encode_batch(texts)
         lengths = np.array([len(e.ids) for e in encodings])
         order = np.argsort(lengths, kind="stable")
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
+        for start, stop in plan_sub_batches(lengths[order], self.batch_size):
+            idx = order[start:stop]
             width = int(lengths[idx].max())
             ids = np.zeros((len(idx), width), np.int64)
             mask = np.zeros((len(idx), width), np.int64)
