@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 import uvloop
 
@@ -20,6 +22,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; an HTTP error counts as "not yet"."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def dump_toml(data: dict) -> str:

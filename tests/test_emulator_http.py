@@ -7,6 +7,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import wait_for
+
 
 def vllm_metrics(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=5).text
@@ -15,6 +17,14 @@ def vllm_metrics(url: str) -> dict:
 
 def gauge(families: dict, name: str) -> float:
     return sum(s.value for s in families[name].samples)
+
+
+def is_up(url: str) -> bool:
+    """The instance answers /health (False when its port refuses connections)."""
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.ConnectError:
+        return False
 
 
 def running_on(stack, model: str) -> float:
@@ -62,10 +72,7 @@ def test_client_disconnect_mid_stream_frees_the_upstream_request(stack):
             assert running_on(stack, model) == 1
             served = r.headers["X-Route-Instance"]
         # the response is closed here: the client went away mid-stream
-    deadline = time.monotonic() + 5
-    while running_on(stack, model) != 0:
-        assert time.monotonic() < deadline, "upstream request still running after the client left"
-        time.sleep(0.05)
+    wait_for(lambda: running_on(stack, model) == 0, 5, "the upstream request to stop after the client left")
     fams = vllm_metrics(stack.store.current.instance(served).url)
     aborted = sum(s.value for s in fams["vllm:request_success"].samples
                   if s.name.endswith("_total") and s.labels["finished_reason"] == "abort")
@@ -146,14 +153,8 @@ def test_client_disconnect_before_a_non_streamed_answer_frees_the_upstream_reque
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        deadline = time.monotonic() + 5
-        while running_on(stack, model) != 1:
-            assert time.monotonic() < deadline, "request never reached the instance"
-            time.sleep(0.05)
-    deadline = time.monotonic() + 5
-    while running_on(stack, model) != 0:
-        assert time.monotonic() < deadline, "upstream request still running after the client left"
-        time.sleep(0.05)
+        wait_for(lambda: running_on(stack, model) == 1, 5, "the request to reach the instance")
+    wait_for(lambda: running_on(stack, model) == 0, 5, "the upstream request to stop after the client left")
 
 
 def test_fault_knobs_follow_a_config_reload(stack):
@@ -164,23 +165,8 @@ def test_fault_knobs_follow_a_config_reload(stack):
     try:
         stack.config_path.write_text(edited)
         assert httpx.post(stack.root + "/admin/reload", timeout=5).status_code == 200
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                httpx.get(target.url + "/health", timeout=1)
-            except httpx.ConnectError:
-                break
-            assert time.monotonic() < deadline, "instance still up after the reload said down"
-            time.sleep(0.05)
+        wait_for(lambda: not is_up(target.url), 5, "the instance to go down after the reload said so")
     finally:
         stack.config_path.write_text(original)
         assert httpx.post(stack.root + "/admin/reload", timeout=5).status_code == 200
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            if httpx.get(target.url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.ConnectError:
-            pass
-        assert time.monotonic() < deadline, "instance did not come back"
-        time.sleep(0.05)
+    wait_for(lambda: is_up(target.url), 5, "the instance to come back")

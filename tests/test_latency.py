@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
 
 from gateway.config import default_config_path, load_config
 from gateway.estimators import ArtefactError
+from gateway.estimators.build import tier_lengths
 from gateway.estimators.latency import FEATURES, LatencyHeads, fit_head, tier_key
 from gateway.estimators.profile import live_sweep
 from gateway.estimators.traces import read_traces, to_arrays, virtual_sweep, write_traces
@@ -20,18 +20,12 @@ for _i in CFG.instances:
     FIRST_OF.setdefault(_i.model, _i)
 
 
-def lengths(mean_out: float, n: int = 1500, seed: int = 1) -> list[tuple[int, int]]:
-    rng = random.Random(seed)
-    return [(max(5, int(rng.lognormvariate(4.1, 0.8))), max(2, min(1024, int(rng.lognormvariate(np.log(mean_out) - 0.32, 0.8)))))
-            for _ in range(n)]
-
-
 @pytest.mark.parametrize("model", ["Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-3B-Instruct"])
 def test_heads_beat_the_static_prior_on_held_out_traces(model):
     inst = FIRST_OF[model]
     tier = tier_key(inst.model, inst.gpu)
-    train = virtual_sweep(inst, lengths(100), requests_per_rate=300, seed=0)
-    held_out = virtual_sweep(inst, lengths(100, seed=7), requests_per_rate=300, seed=5)
+    train = virtual_sweep(inst, tier_lengths([], model, seed=1), requests_per_rate=300, seed=0)
+    held_out = virtual_sweep(inst, tier_lengths([], model, seed=7), requests_per_rate=300, seed=5)
     x, y = to_arrays(train)
     xt, yt = to_arrays(held_out)
     heads = LatencyHeads({tier: fit_head(x, y)}, {tier: inst.tpot_prior_ms / 1000})
@@ -51,7 +45,7 @@ def test_missing_head_falls_back_to_the_prior():
 def test_heads_and_traces_round_trip_and_corrupt_files_are_named(tmp_path):
     inst = FIRST_OF["Qwen/Qwen2.5-14B-Instruct"]
     tier = tier_key(inst.model, inst.gpu)
-    rows = virtual_sweep(inst, lengths(130), requests_per_rate=100)
+    rows = virtual_sweep(inst, tier_lengths([], inst.model, seed=1), requests_per_rate=100)
     write_traces(rows, tmp_path / "t.jsonl")
     assert read_traces(tmp_path / "t.jsonl") == rows
     x, y = to_arrays(rows)

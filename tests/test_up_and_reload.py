@@ -14,19 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import pool_config
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+from conftest import pool_config, wait_for
 
 
 def model_ids(root: str) -> set[str]:

@@ -45,10 +45,6 @@ def _time_per_request(est: Estimators, embedder: Embedder, prompts: list[str], b
     return {k: v / len(prompts) * 1000 for k, v in parts.items()}
 
 
-def _top10(est: Estimators, vectors: np.ndarray) -> np.ndarray:
-    return est.knn.estimate(vectors).neighbours
-
-
 def run_bench(config, prompts: int = 512) -> str:
     models_dir = config.estimators.models_dir
     ensure_built(config)
@@ -76,7 +72,7 @@ def run_bench(config, prompts: int = 512) -> str:
                             batch_size=config.estimators.batch_size)
         embedder.embed(texts[:8])  # warm-up
         vectors = embedder.embed(texts)
-        top = _top10(est, vectors)
+        top = est.knn.estimate(vectors).neighbours
         if reference is None:
             reference = top
         agreement[trunc] = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(top, reference)])

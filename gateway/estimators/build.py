@@ -141,7 +141,7 @@ def build_heads(config, inputs: TrainInputs, records: list[Record]) -> tuple[Lat
     for model, gpu, prior_ms in inputs.tiers:
         tier = tier_key(model, gpu)
         priors[tier] = prior_ms / 1000
-        if tier in profiled:  # live traces: hold out a stable 20% by row order hash
+        if tier in profiled:  # live traces: every fifth row (in file order) is held out
             rows = profiled[tier]
             held = [i % 5 == 0 for i in range(len(rows))]
             train = [r for r, h in zip(rows, held) if not h]
