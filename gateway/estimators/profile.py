@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from gateway.estimators.latency import FEATURES, tier_key
-from gateway.estimators.traces import GatewayView
+from gateway.estimators.traces import GatewayView, trace_row
 from gateway.telemetry import parse_vllm_metrics
 
 log = logging.getLogger("routebalance.profile")
@@ -78,8 +78,7 @@ async def _one_request(session, url: str, model: str, rid: int, prompt_tokens: i
     if first is None or n < 2:
         return None
     feats[FEATURES.index("prompt_tokens")] = (usage or {}).get("prompt_tokens", prompt_tokens)
-    return {"tier": tier, "rate": rate, **dict(zip(FEATURES, feats)), "tpot_s": (last - first) / (n - 1),
-            "ttft_s": first - start, "e2e_s": last - start}
+    return trace_row(tier, rate, feats, arrival=start, first_token=first, finish=last, tokens=n)
 
 
 async def live_sweep(url: str, model: str, gpu: str, lengths: list[tuple[int, int]], *, rates: list[float],

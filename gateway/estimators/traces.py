@@ -108,7 +108,8 @@ def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: floa
         for s in report.finished:
             view.done(s.rid)
             if s.generated > 1:
-                rows.append(_row(tier, rate, dispatch_features.pop(s.rid), s))
+                rows.append(trace_row(tier, rate, dispatch_features.pop(s.rid), arrival=s.arrival,
+                                      first_token=s.first_token_time, finish=s.finish_time, tokens=s.generated))
 
     def advance(until: float) -> None:
         nonlocal next_scrape
@@ -133,11 +134,13 @@ def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: floa
     return rows
 
 
-def _row(tier: str, rate: float, feats: list[float], seq) -> dict:
+def trace_row(tier: str, rate: float, feats: list[float], *, arrival: float, first_token: float, finish: float,
+              tokens: int) -> dict:
+    """One request's trace: its dispatch features and the latencies it got (tokens >= 2)."""
     return {
         "tier": tier, "rate": rate, **dict(zip(FEATURES, feats)),
-        "tpot_s": (seq.finish_time - seq.first_token_time) / (seq.generated - 1),
-        "ttft_s": seq.first_token_time - seq.arrival, "e2e_s": seq.finish_time - seq.arrival,
+        "tpot_s": (finish - first_token) / (tokens - 1),
+        "ttft_s": first_token - arrival, "e2e_s": finish - arrival,
     }
 
 
