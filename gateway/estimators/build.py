@@ -29,7 +29,7 @@ from gateway.estimators.knn import KnnEstimator
 from gateway.estimators.latency import LatencyHeads, fit_head, tier_key
 from gateway.estimators.minilm_export import export_minilm_onnx
 from gateway.estimators.traces import read_traces, to_arrays, virtual_sweep
-from gateway.workload import generate, read_jsonl, split
+from gateway.workload import generate, model_names, read_jsonl, split
 from gateway.workload.records import Record
 
 log = logging.getLogger("routebalance.train")
@@ -175,7 +175,7 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=())
     inputs = inputs_from_config(config, workload, trace_files)
     records = load_workload(inputs)
     train_set, test_set = split(records)
-    models = tuple(records[0].models) if records else ()
+    models = tuple(model_names(records))  # only models every record labels can be columns
     if not train_set or not models:
         raise ValueError("the workload has no training records")
     log.info("workload: %d records (%d train, %d test), models %s", len(records), len(train_set), len(test_set), models)
