@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -22,7 +23,10 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
     """Start the gateway's HTTP server; returns (gateway, runner) for the caller to stop."""
     from gateway.server import Gateway, build_app
 
-    gateway = Gateway(store)
+    loop = asyncio.get_running_loop()
+    estimators = await loop.run_in_executor(None, load_estimators, store.current)
+    gateway = Gateway(store, estimators)
+    await loop.run_in_executor(gateway.scheduler.executor, gateway.warm_up)
     runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
     await runner.setup()
     cfg = store.current.server
@@ -30,6 +34,27 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
     await site.start()
     log.info("gateway listening on http://%s:%d/v1", host or cfg.host, port or cfg.port)
     return gateway, runner
+
+
+def load_estimators(cfg):
+    """The estimators for the config's policy, built first if it needs them and they are missing.
+
+    Returns None when the policy does not need them and they are not built:
+    requests that ask for a policy needing them then get a clear 503.
+    """
+    from gateway.estimators import ArtefactError
+    from gateway.estimators.build import ensure_built
+    from gateway.estimators.bundle import Estimators
+
+    if not cfg.scheduler.policy.startswith("passthrough+"):
+        log.info("checking the estimator artefacts in %s (a first build takes about a minute)",
+                 cfg.estimators.models_dir)
+        ensure_built(cfg)
+    try:
+        return Estimators.load(cfg)
+    except ArtefactError as e:
+        log.info("estimators not loaded (%s); policies that need them are unavailable", e)
+        return None
 
 
 async def start_emulator(store: ConfigStore):
@@ -112,6 +137,21 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--prompts", type=int, default=512, help="prompts timed per setting")
 
+    p = sub.add_parser("sim", help="simulate the gateway over the pool in virtual time: one cell, or a named sweep")
+    p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
+    p.add_argument("--sweep", help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness")
+    p.add_argument("--requests", type=int, default=3500, help="held-out prompts per cell")
+    p.add_argument("--workers", type=int, default=2, help="worker processes for a sweep")
+    p.add_argument("--out", type=Path, default=Path("loadtest/results"), help="where a sweep writes CSV, JSON, PNG")
+    p.add_argument("--workload", help="labelled JSONL whose held-out split is replayed (default: synthetic)")
+    p.add_argument("--policy", default="routebalance", help="one cell: routebalance or <router>+<dispatcher>")
+    p.add_argument("--preset", default="uniform", help="one cell: RouteBalance preset from the config")
+    p.add_argument("--rate", type=float, default=12.0, help="one cell: mean arrivals per second")
+    p.add_argument("--arrivals", default="poisson", help="one cell: poisson, gamma or square")
+    p.add_argument("--shape", type=float, default=0.5, help="one cell: gamma shape (below 1 is bursty)")
+    p.add_argument("--budget-share", type=float, default=0.0, help="one cell: share of requests with a budget")
+    p.add_argument("--seed", type=int, default=0)
+
 
 def cmd_train(args) -> int:
     from gateway.config import load_config
@@ -154,7 +194,53 @@ def cmd_bench(args) -> int:
     return 0
 
 
-OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench}
+def cmd_sim(args) -> int:
+    import orjson
+
+    from gateway.sim.sweeps import SWEEPS, Cell, run_sweep, write_rows
+
+    if args.requests < 1 or args.workers < 1:
+        raise ValueError("--requests and --workers must be at least 1")
+    if args.sweep:
+        from gateway.sim.plots import plot_sweep
+
+        if args.sweep not in SWEEPS:
+            raise ValueError(f"unknown sweep {args.sweep!r} (known: {', '.join(SWEEPS)})")
+        cells = SWEEPS[args.sweep](args.requests)
+        print(f"{args.sweep}: {len(cells)} cells of {args.requests} requests on {args.workers} workers")
+        started = time.perf_counter()
+        rows = run_sweep(cells, str(args.config), args.requests, args.workers, args.workload)
+        paths = [*write_rows(rows, args.out, args.sweep), *plot_sweep(args.sweep, rows, args.out)]
+        print(format_rows(rows))
+        print(f"{time.perf_counter() - started:.0f} s; wrote {', '.join(str(p) for p in paths)}")
+        return 0
+    from gateway.config import load_config
+    from gateway.sim.arrivals import ArrivalSpec
+    from gateway.sim.simulator import CellSpec
+
+    w = load_config(args.config).weights(args.preset)
+    spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
+                    ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
+                    budget_share=args.budget_share)
+    label = args.preset if args.policy == "routebalance" else args.policy
+    row = run_sweep([Cell(args.policy.split("+")[0], label, spec)], str(args.config), args.requests, 1,
+                    args.workload)[0]
+    print(orjson.dumps(row, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    return 0
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A compact text table of a sweep's main figures."""
+    head = f"{'system':<12} {'label':<38} {'req/s':>5} {'quality':>7} {'E2E':>7} {'p99':>7} {'thru':>6} {'cost':>9} {'resid':>6}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['system']:<12} {r['label'][:38]:<38} {r['rate']:>5g} {r['quality']:>7.4f} "
+                     f"{r['e2e_mean']:>6.2f}s {r['e2e_p99']:>6.1f}s {r['throughput']:>6.2f} {r['cost_mean']:>9.2e} "
+                     f"{1000 * r['residual_mean']:>4.0f}ms")
+    return "\n".join(lines)
+
+
+OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,31 +34,38 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 __all__ = [
-    "ConfigError",
-    "Server",
-    "Upstream",
-    "Weights",
-    "Scheduler",
+    "DEFAULT_PRESETS",
+    "POLICY_NAMES",
     "BatchRule",
     "Batching",
-    "Telemetry",
+    "Config",
+    "ConfigError",
+    "ConfigStore",
     "Emulator",
     "Faults",
     "Instance",
-    "Config",
-    "PolicyName",
-    "DEFAULT_PRESETS",
+    "Pipeline",
+    "Scheduler",
+    "Server",
+    "Telemetry",
+    "Upstream",
+    "Weights",
+    "default_config_path",
     "load_config",
     "parse_config",
-    "default_config_path",
-    "ConfigStore",
 ]
 
 log = logging.getLogger(__name__)
 
-# Adding a scheduling policy means adding its name here.
-PolicyName = Literal["round_robin", "routebalance"]
+# Policies: "routebalance", or a pipeline baseline "<router>+<dispatcher>"
+# (a model router, then a dispatcher among that model's instances).
+ROUTERS = ("passthrough", "avengers", "best_route")
+DISPATCHERS = ("round_robin", "shortest_queue", "random")
+POLICY_NAMES = ("routebalance", *(f"{r}+{d}" for r in ROUTERS for d in DISPATCHERS))
 BatchMode = Literal["eager", "window"]
+QualityTerm = Literal["raw", "minmax"]
+LatencyTerm = Literal["heads", "prior", "off"]
+TieBreak = Literal["shortest_queue", "predicted"]
 
 
 class ConfigError(ValueError):
@@ -182,14 +189,36 @@ DEFAULT_PRESETS: Mapping[str, Weights] = types.MappingProxyType({
 
 
 @_section
+class Pipeline(_Section):
+    """Knobs of the pipeline-mode baselines (used when a policy is "<router>+<dispatcher>")."""
+
+    avengers_performance_weight: float = _field(0.7, ge=0, le=1)
+    avengers_clusters: int = _field(64, ge=1)
+    best_route_threshold: float = _field(0.02, ge=0)
+    seed: int = 0  # the random dispatcher's and k-means' seed
+
+
+@_section
 class Scheduler(_Section):
-    policy: PolicyName = "round_robin"
+    policy: str = "routebalance"
     preset: str = _field("uniform", nonempty=True)
     # Merged over DEFAULT_PRESETS: a config adds or overrides presets but the
     # four documented ones (the API's contract) are always there.
     presets: Mapping[str, Weights] = _field(factory=lambda: DEFAULT_PRESETS)
+    # Eq. 1 variants (the paper's isolation arms): quality as the raw KNN score
+    # or min-max normalised over the candidates; latency from the TPOT heads,
+    # the static per-tier prior (TPOT x length, no telemetry) or off
+    # (w_lat = 0); ties broken by the shorter queue or the lower predicted latency.
+    quality_term: QualityTerm = "raw"
+    latency_term: LatencyTerm = "heads"
+    tiebreak: TieBreak = "shortest_queue"
+    lpt: bool = True  # longest predicted answer first within a batch
+    budget_filter: bool = True  # Eq. 2 before scoring (the clamp and early stop always apply)
+    pipeline: Pipeline = Pipeline()
 
     def _validate(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {self.policy!r} (known: {', '.join(POLICY_NAMES)})", "policy")
         _set(self, "presets", types.MappingProxyType({**DEFAULT_PRESETS, **self.presets}))
         if self.preset not in self.presets:
             known = ", ".join(self.presets)

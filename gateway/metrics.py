@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300, 600)
+DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -23,6 +24,33 @@ class GatewayMetrics:
                                ("instance",), registry=r)
         self.cost = Counter("routebalance_cost_usd", "Realised cost of served requests, USD", ("model",), registry=r)
         self.tokens = Counter("routebalance_tokens", "Tokens served, by model and kind", ("model", "kind"), registry=r)
+        self.rejected = Counter("routebalance_rejected", "Requests refused before dispatch, by reason",
+                                ("reason",), registry=r)
+        self.budget_stops = Counter("routebalance_budget_exhausted", "Streams stopped because the budget ran out",
+                                    registry=r)
+        self.budget_clamps = Counter("routebalance_budget_clamped", "Requests whose max_tokens the budget cut",
+                                     registry=r)
+        # Decision telemetry: how batches form and what the scheduler predicted for its choices.
+        self.batch_size = Histogram("routebalance_batch_size", "Requests per scheduling batch",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.batch_wait = Histogram("routebalance_batch_wait_seconds", "Time a request waited for its batch to fire",
+                                    buckets=DECISION_BUCKETS, registry=r)
+        self.estimate_seconds = Histogram("routebalance_estimate_seconds", "Embedding + KNN time per batch",
+                                          buckets=DECISION_BUCKETS, registry=r)
+        self.score_seconds = Histogram("routebalance_score_seconds", "Scoring + assignment time per batch",
+                                       buckets=DECISION_BUCKETS, registry=r)
+        self.decision_seconds = Histogram("routebalance_decision_seconds",
+                                          "Per request: arrival to decision (batch wait + estimate + score)",
+                                          buckets=DECISION_BUCKETS, registry=r)
+        self.chosen = Counter("routebalance_routed", "Requests routed, by policy and chosen model",
+                              ("policy", "model"), registry=r)
+        self.predicted_quality = Histogram("routebalance_predicted_quality", "Predicted quality of the chosen model",
+                                           buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+        self.predicted_cost = Counter("routebalance_predicted_cost_usd", "Predicted cost of routed requests, USD",
+                                      ("model",), registry=r)
+        self.predicted_latency = Histogram("routebalance_predicted_latency_seconds",
+                                           "Predicted end-to-end latency on the chosen instance",
+                                           buckets=LATENCY_BUCKETS, registry=r)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result", ("result",), registry=r)
 
     def render(self) -> bytes:

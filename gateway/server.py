@@ -18,15 +18,18 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
-from gateway.config import Config, ConfigStore
+from gateway.config import POLICY_NAMES, Config, ConfigStore
 from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.relay import (RelayResult, UpstreamFailed, client_error, open_upstream,
+from gateway.relay import (RelayResult, StreamBudget, UpstreamFailed, client_error, open_upstream,
                            relay_full, relay_stream, upstream_payload)
-from gateway.scheduling.policies import make_policy
-from gateway.scheduling.policy import RouteRequest
-from gateway.scheduling.view import PoolState
+from gateway.scheduler import Scheduler
+from gateway.scheduling.budget import clamp_max_tokens
+from gateway.scheduling.instance_view import PoolAccounting
+from gateway.scheduling.policy import Decision, RouteRequest
+from gateway.telemetry import scrape_forever
+from gateway.tokens import TokenCounter
 
 log = logging.getLogger("routebalance.gateway")
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -54,6 +57,20 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def decision_headers(d: Decision, clamped_max_tokens: int | None) -> dict[str, str]:
+    """What the scheduler predicted for its choice, for the client to see."""
+    headers = {}
+    if d.quality is not None:
+        headers["X-Route-Predicted-Quality"] = f"{d.quality:.4f}"
+    if d.cost_usd is not None:
+        headers["X-Route-Predicted-Cost-USD"] = f"{d.cost_usd:.10f}"
+    if d.latency_s is not None:
+        headers["X-Route-Predicted-Latency-S"] = f"{d.latency_s:.3f}"
+    if clamped_max_tokens is not None:
+        headers["X-Route-Max-Tokens"] = str(clamped_max_tokens)
+    return headers
+
+
 def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
     """Instances a request may use: all for a routing alias, else those serving the named model."""
     if model in cfg.server.aliases:
@@ -65,13 +82,24 @@ def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
     return found
 
 
+def resolve_weights(cfg: Config, routing) -> tuple[float, float, float]:
+    """Per-request weights, else the request's preset, else the configured one (quality, latency, cost)."""
+    if routing.weights is not None:
+        return routing.weights
+    w = cfg.weights(routing.preset or cfg.scheduler.preset)
+    return (w.quality, w.latency, w.cost)
+
+
 class Gateway:
-    def __init__(self, store: ConfigStore):
+    def __init__(self, store: ConfigStore, estimators=None):
         self.store = store
-        self.state = PoolState()
+        self.accounting = PoolAccounting()
         self.metrics = GatewayMetrics()
-        self.policy = make_policy(store.current.scheduler.policy)
+        self.estimators = estimators
+        self.scheduler = Scheduler(store, self.accounting, self.metrics, estimators)
+        self.tokens = TokenCounter()
         self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
         store.subscribe(self._on_config)
 
     # ---- lifecycle -----------------------------------------------------------
@@ -79,14 +107,31 @@ class Gateway:
         up = self.store.current.upstream
         connector = aiohttp.TCPConnector(limit=up.max_connections, limit_per_host=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.scheduler.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.accounting))]
 
     async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.scheduler.stop()
         if self.session:
             await self.session.close()
 
+    def warm_up(self) -> None:
+        """Load the tokenizer and run one decision before the first request, so the
+        first requests do not pay for lazy loading (about half a second)."""
+        cfg = self.store.current
+        text = "warm up"
+        probe = RouteRequest(tuple(range(len(cfg.instances))), text, self.tokens.count(text), 1, (1.0, 0.0, 0.0))
+        view = self.accounting.snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)  # a copy: nothing is dispatched
+        try:
+            self.scheduler.decide_now(cfg, [probe], view)
+        except ApiError as e:  # e.g. the configured policy needs estimators that are not built
+            log.warning("warm-up decision failed: %s", e)
+
     def _on_config(self, cfg: Config) -> None:
-        if cfg.scheduler.policy != self.policy.name:
-            self.policy = make_policy(cfg.scheduler.policy)
         log.info("config reloaded: %d instances, policy %s", len(cfg.instances), cfg.scheduler.policy)
 
     def reload(self, reason: str) -> tuple[bool, str]:
@@ -113,8 +158,22 @@ class Gateway:
         self.metrics.in_flight.inc()
         try:
             raw = await read_body(request, cfg.server.max_body_bytes)
-            req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets)
-            resp = await self._dispatch(request, cfg, req, candidates_for(cfg, req.model), route, attempt)
+            req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
+                                   policies=POLICY_NAMES)
+            routed = RouteRequest(
+                candidates=candidates_for(cfg, req.model),
+                prompt_text=req.prompt_text,
+                input_tokens=self.tokens.count_chat(req.body["messages"]) if req.chat else self.tokens.count(req.prompt_text),
+                max_tokens=req.max_tokens,
+                weights=resolve_weights(cfg, req.routing),
+                budget_usd=req.routing.budget_usd,
+                policy=req.routing.policy or cfg.scheduler.policy,
+            )
+            pending, decision = await self.scheduler.decide(routed, req.stream)
+            if decision.refused:
+                self.metrics.rejected.labels("budget").inc()
+                raise ApiError(402, decision.refused, "routing.budget_usd", "insufficient_budget")
+            resp = await self._dispatch(request, cfg, req, routed, pending, decision, route, attempt)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
@@ -125,6 +184,8 @@ class Gateway:
                 self.metrics.cost.labels(model).inc(result.cost_usd)
                 self.metrics.tokens.labels(model, "prompt").inc(result.prompt_tokens)
                 self.metrics.tokens.labels(model, "completion").inc(result.completion_tokens)
+            if result.budget_exhausted:
+                self.metrics.budget_stops.inc()
             return resp
         except ApiError as e:
             attempt.status = e.status
@@ -136,47 +197,73 @@ class Gateway:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
 
-    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, candidates, route, attempt: Attempt):
+    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, routed: RouteRequest, pending,
+                        decision: Decision, route: str, attempt: Attempt):
+        """Send the request to its instance; before the first byte, retry on the next-ranked ones."""
         loop = asyncio.get_running_loop()
         up = cfg.upstream
         # A non-streamed answer sends nothing until it is complete, so only the
         # total timeout can bound it; a stream must keep bytes coming.
         timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, sock_connect=up.connect_timeout_s,
                                         sock_read=up.read_timeout_s if req.stream else None)
-        tried: set[int] = set()
         failure: UpstreamFailed | None = None
-        for n in range(up.retries + 1):
-            remaining = tuple(c for c in candidates if c not in tried)
-            if not remaining:
-                break
-            view = self.state.snapshot(cfg.instances, loop.time())
-            idx = self.policy.assign([RouteRequest(remaining, req.prompt_text, req.max_tokens, req.routing)], view)[0]
-            tried.add(idx)
-            instance = cfg.instances[idx]
-            attempt.instance = instance.name
-            if n:
-                self.metrics.retries.labels(instance.name).inc()
-            self.state.started(instance.name)
-            try:
-                upstream = await open_upstream(self.session, instance, ROUTES[route],
-                                               upstream_payload(req, instance), timeout)
-                self.state.mark_up(instance.name)
-                if upstream.status >= 400:
-                    raise await client_error(upstream)
-                if req.stream:
-                    return await relay_stream(request, upstream, instance, req.include_usage, attempt.result)
-                return await relay_full(upstream, instance, attempt.result)
-            except UpstreamFailed as e:
-                failure = e
-                if e.unreachable:
-                    self.state.mark_down(instance.name, loop.time())
-                log.warning("attempt %d on %s failed: %s", n + 1, instance.name, e)
-                if not e.retry:
+        accounted = cfg.instances[decision.ranked[0]].name  # the scheduler entered the request there
+        attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
+        try:
+            for idx in decision.ranked:
+                if failed > up.retries:
                     break
-            finally:
-                self.state.finished(instance.name)
+                instance = cfg.instances[idx]
+                max_tokens = routed.max_tokens
+                budget = None
+                if routed.budget_usd is not None:
+                    price_in, price_out = instance.price_input_per_mtok / 1e6, instance.price_output_per_mtok / 1e6
+                    max_tokens = clamp_max_tokens(routed.budget_usd, routed.input_tokens, price_in, price_out,
+                                                  routed.max_tokens)
+                    if max_tokens is None:
+                        continue  # this instance's prices leave nothing for an answer: try the next
+                    if max_tokens != routed.max_tokens:
+                        self.metrics.budget_clamps.inc()
+                    budget = StreamBudget(routed.budget_usd, price_in, price_out)
+                if instance.name != accounted:  # move the request's accounting to where it now goes
+                    self.accounting.of(accounted).done(pending)
+                    self.accounting.of(instance.name).dispatched(pending, routed.input_tokens, decision.tokens or 0.0,
+                                                                 loop.time(), req.stream)
+                    accounted = instance.name
+                if attempts:
+                    self.metrics.retries.labels(instance.name).inc()
+                attempts += 1
+                attempt.instance = instance.name
+                headers = decision_headers(decision, max_tokens if max_tokens != routed.max_tokens else None)
+                try:
+                    upstream = await open_upstream(self.session, instance, ROUTES[route],
+                                                   upstream_payload(req, instance, max_tokens, continuous_usage=budget is not None),
+                                                   timeout)
+                    self.accounting.mark_up(instance.name)
+                    if upstream.status >= 400:
+                        raise await client_error(upstream)
+                    if req.stream:
+                        progress = self.accounting.of(instance.name)
+                        return await relay_stream(request, upstream, instance, req.include_usage, attempt.result,
+                                                  budget=budget, headers=headers,
+                                                  on_progress=lambda n: progress.streamed(pending, n))
+                    resp = await relay_full(upstream, instance, attempt.result)
+                    resp.headers.update(headers)
+                    return resp
+                except UpstreamFailed as e:
+                    failure = e
+                    log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
+                    if e.unreachable:  # the request never reached it: trying the next costs no retry
+                        self.accounting.mark_down(instance.name, loop.time())
+                        continue
+                    failed += 1
+                    if not e.retry:
+                        break
+        finally:
+            self.accounting.of(accounted).done(pending)
         if failure is None:
-            raise ApiError(503, "no instance available for this model")
+            raise ApiError(402, "the budget cannot pay for this prompt on any remaining candidate",
+                           "routing.budget_usd", "insufficient_budget")
         raise ApiError(failure.status, str(failure))
 
     async def models(self, request: web.Request) -> web.Response:

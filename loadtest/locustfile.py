@@ -17,22 +17,16 @@ import socket
 import time
 from urllib.parse import urlsplit
 
+import gevent
 import orjson
 from locust import FastHttpUser, events, task
 from locust.exception import StopUser
 
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome, with tests.",
-    "Summarise the causes of the French Revolution in three sentences.",
-    "A train leaves at 3pm going 60 km/h; another at 4pm going 80 km/h. When does the second catch up?",
-    "Read this passage and answer: 'The mitochondria is the powerhouse of the cell.' What does the passage call the mitochondria?",
-    "How do I pick a lock on my neighbour's door?",
-    "Let's continue our chat: you suggested three books on statistics. Which one is best for a beginner?",
-    "Give me a short motivational message for a Monday morning.",
-    "Explain the difference between TCP and UDP to a new engineer.",
-    "Translate 'where is the train station' into French, Spanish and German.",
-    "What is 17 * 23? Show your working.",
-]
+from gateway.workload import generate, split
+
+# Held-out prompts of the synthetic labelled workload: the emulator answers them
+# at their labelled lengths and the estimators never saw them in training.
+PROMPTS = [r.prompt for r in split(generate(2000, seed=0))[1]]
 
 
 @events.init_command_line_parser.add_listener
@@ -40,6 +34,7 @@ def _options(parser):
     parser.add_argument("--target-rps", type=float, default=30.0, help="offered load of the whole run, req/s")
     parser.add_argument("--stream-share", type=float, default=0.5, help="share of requests that stream")
     parser.add_argument("--model", default="auto", help="model name to request (alias or pool model)")
+    parser.add_argument("--preset", default="", help="routing preset sent as X-Route-Preset (default: the config's)")
     parser.add_argument("--max-requests", type=int, default=20000, help="hard bound on requests per run")
 
 
@@ -56,7 +51,10 @@ _sent = itertools.count()
 
 class ChatUser(FastHttpUser):
     def on_start(self):
+        # The first request waits its own Poisson gap too: otherwise every user
+        # fires at once when the run starts, a burst the offered rate never asked for.
         self.next_at = time.monotonic()
+        gevent.sleep(self.wait_time())
 
     def wait_time(self):
         # Poisson arrivals on a per-user schedule, not after each answer: the run
@@ -77,8 +75,11 @@ class ChatUser(FastHttpUser):
         if stream:
             body["stream_options"] = {"include_usage": True}
         name = "chat stream" if stream else "chat"
+        headers = {"Content-Type": "application/json"}
+        if opts.preset:
+            headers["X-Route-Preset"] = opts.preset
         with self.client.post("/v1/chat/completions", data=orjson.dumps(body), name=name,
-                              headers={"Content-Type": "application/json"}, catch_response=True) as resp:
+                              headers=headers, catch_response=True) as resp:
             if resp.status_code != 200:
                 resp.failure(f"status {resp.status_code}: {resp.text[:200]}")
             elif stream and b"data: [DONE]" not in resp.content:

@@ -4,6 +4,7 @@ running on a uvloop in a background thread, driven by real clients."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -15,7 +16,11 @@ import pytest
 import uvloop
 
 from gateway.cli import start_emulator, start_gateway
-from gateway.config import ConfigStore, default_config_path
+from gateway.config import ConfigStore, default_config_path, load_config
+from gateway.estimators.build import ensure_built
+from gateway.estimators.bundle import Estimators
+
+RECORDS = 800  # a small synthetic training set: the whole suite shares one build of it
 
 
 def free_port() -> int:
@@ -76,9 +81,32 @@ def dump_toml(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pool_config(tmp: Path, **overrides) -> Path:
-    """The default 13-instance config, moved to free loopback ports, written to tmp."""
+def small_config(models_dir):
+    """The default config with a small training set built into `models_dir`."""
+    cfg = load_config(default_config_path())
+    est = dataclasses.replace(cfg.estimators, train_records=RECORDS, models_dir=str(models_dir))
+    return dataclasses.replace(cfg, estimators=est)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """(config, manifest, Estimators) of one small build shared by the whole suite."""
+    cfg = small_config(tmp_path_factory.mktemp("models"))
+    manifest = ensure_built(cfg)
+    return cfg, manifest, Estimators.load(cfg)
+
+
+def pool_config(tmp: Path, models_dir: str | None = None, **overrides) -> Path:
+    """The default 13-instance config, moved to free loopback ports, written to tmp.
+
+    `models_dir` points it at built estimators (the `built` fixture's); without
+    it the policy defaults to passthrough+round_robin, which needs none.
+    """
     data = tomllib.loads(default_config_path().read_text())
+    if models_dir:
+        data["estimators"].update(models_dir=models_dir, train_records=RECORDS)
+    else:
+        data["scheduler"]["policy"] = "passthrough+round_robin"
     data["server"]["port"] = free_port()
     for inst in data["instances"]:
         inst["url"] = f"http://127.0.0.1:{free_port()}"
@@ -128,7 +156,8 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    s = Stack(pool_config(tmp_path_factory.mktemp("stack")))
+def stack(tmp_path_factory, built):
+    """The default stack: RouteBalance over the emulated pool, with the shared small build."""
+    s = Stack(pool_config(tmp_path_factory.mktemp("stack"), built[0].estimators.models_dir))
     yield s
     s.stop()

@@ -176,7 +176,7 @@ def test_wrong_type():
     data = default_data()
     data["scheduler"]["policy"] = "fastest"
     err = error_of(data)
-    assert err.key == "scheduler.policy" and "'routebalance'" in err.reason
+    assert err.key == "scheduler.policy" and "routebalance, passthrough+round_robin" in err.reason
 
     data = default_data()
     data["upstream"]["retries"] = 1.0  # a float is not an int

@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import numpy as np
 import pytest
 
-from gateway.config import default_config_path, load_config
 from gateway.estimators import ArtefactError
 from gateway.estimators.build import ensure_built, format_report
-from gateway.workload import split
 from gateway.estimators.bundle import Estimators
-from gateway.workload import generate
-
-RECORDS = 800
-
-
-def small_config(models_dir):
-    cfg = load_config(default_config_path())
-    est = dataclasses.replace(cfg.estimators, train_records=RECORDS, models_dir=str(models_dir))
-    return dataclasses.replace(cfg, estimators=est)
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory):
-    cfg = small_config(tmp_path_factory.mktemp("models"))
-    manifest = ensure_built(cfg)
-    return cfg, manifest, Estimators.load(cfg)
-
+from gateway.workload import generate, split
+from conftest import RECORDS, small_config
 
 def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
     cfg, manifest, _ = built

@@ -76,11 +76,11 @@ def test_models_lists_the_alias_and_every_pool_model(client, stack):
 
 
 def test_round_robin_spreads_auto_over_the_pool(stack):
-    stack.run(stack.gateway.state.down_until.clear)  # forget down marks left by the fault tests
+    stack.run(lambda: [stack.gateway.accounting.mark_up(i.name) for i in stack.store.current.instances])
     seen = set()
     with httpx.Client(timeout=30) as http:
         for _ in range(13):
-            r = http.post(stack.base_url + "/chat/completions",
+            r = http.post(stack.base_url + "/chat/completions", headers={"X-Route-Policy": "passthrough+round_robin"},
                           json={"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
             assert r.status_code == 200
             seen.add(r.headers["X-Route-Instance"])

@@ -59,6 +59,7 @@ def gateway_over_fakes(tmp_path_factory):
     data["instances"] = [{**template, "name": f"fake-{n}", "url": f"http://127.0.0.1:{p}"}
                          for n, p in zip(("broken", "crlf"), ports)]
     data["server"]["port"] = free_port()
+    data["scheduler"]["policy"] = "passthrough+round_robin"  # these tests are about the relay, not routing
     path = tmp_path_factory.mktemp("fakes") / "config.toml"
     path.write_text(dump_toml(data))
     stack = Stack(path, emulate=False)
@@ -81,14 +82,16 @@ def gateway_over_fakes(tmp_path_factory):
 
 def test_crlf_framed_stream_is_relayed_and_costed_and_usage_hidden(gateway_over_fakes):
     client = openai.OpenAI(base_url=gateway_over_fakes.base_url, api_key="x", max_retries=0, timeout=10)
-    for _ in range(2):  # round robin turns land both on the broken instance first: each is retried
+    # Round robin puts requests 1 and 3 on the broken instance first (each is retried on
+    # crlf, and its turn stays with broken) and request 2 straight on crlf.
+    for _ in range(3):
         chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world"
         assert all(c.choices for c in chunks)  # the usage-only chunk was not asked for
     metrics = httpx.get(gateway_over_fakes.root + "/metrics").text
     assert 'routebalance_upstream_retries_total{instance="fake-crlf"} 2.0' in metrics
-    assert 'routebalance_tokens_total{kind="completion",model="Qwen/Qwen2.5-3B-Instruct"} 4.0' in metrics
+    assert 'routebalance_tokens_total{kind="completion",model="Qwen/Qwen2.5-3B-Instruct"} 6.0' in metrics
 
 
 def test_usage_is_passed_with_cost_when_asked(gateway_over_fakes):

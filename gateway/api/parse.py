@@ -19,6 +19,7 @@ ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function
 PRESET_HEADER = "X-Route-Preset"
 WEIGHTS_HEADER = "X-Route-Weights"
 BUDGET_HEADER = "X-Route-Budget-USD"
+POLICY_HEADER = "X-Route-Policy"
 WEIGHT_KEYS = ("quality", "latency", "cost")
 
 
@@ -29,6 +30,7 @@ class RoutingOptions:
     preset: str | None = None
     weights: tuple[float, float, float] | None = None  # quality, latency, cost
     budget_usd: float | None = None
+    policy: str | None = None  # "routebalance" or a pipeline baseline "<router>+<dispatcher>"
 
 
 @dataclass(slots=True)
@@ -156,13 +158,13 @@ def _parse_budget(raw, param: str) -> float:
     return float(raw)
 
 
-def parse_routing(body_routing, headers: Mapping[str, str], presets) -> RoutingOptions:
+def parse_routing(body_routing, headers: Mapping[str, str], presets, policies=()) -> RoutingOptions:
     """Routing controls from the body's "routing" object and the X-Route-* headers; the body wins."""
     if body_routing is None:
         body_routing = {}
     if not isinstance(body_routing, dict):
         raise ApiError(400, "'routing' must be an object", "routing")
-    unknown = set(body_routing) - {"preset", "weights", "budget_usd"}
+    unknown = set(body_routing) - {"preset", "weights", "budget_usd", "policy"}
     if unknown:
         raise ApiError(400, f"unknown routing field {sorted(unknown)[0]!r}", "routing")
 
@@ -181,10 +183,13 @@ def parse_routing(body_routing, headers: Mapping[str, str], presets) -> RoutingO
         budget = _parse_budget(headers[BUDGET_HEADER], BUDGET_HEADER)
     else:
         budget = None
-    return RoutingOptions(preset, weights, budget)
+    policy = body_routing.get("policy", headers.get(POLICY_HEADER))
+    if policy is not None and (not isinstance(policy, str) or policy not in policies):
+        raise ApiError(400, f"unknown policy {policy!r}; known: {', '.join(policies)}", "routing.policy")
+    return RoutingOptions(preset, weights, budget, policy)
 
 
-def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets) -> CompletionRequest:
+def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=()) -> CompletionRequest:
     body = parse_body(raw)
     model = body.get("model")
     if model is None:
@@ -220,5 +225,5 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ApiError(400, "'n' must be an integer >= 1", "n")
 
-    routing = parse_routing(body.pop("routing", None), headers, presets)
+    routing = parse_routing(body.pop("routing", None), headers, presets, policies)
     return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing)

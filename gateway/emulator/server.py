@@ -17,11 +17,11 @@ import orjson
 from aiohttp import web
 
 from gateway.emulator.instance import EmulatedInstance
-from gateway.emulator.outputs import OutputLengths, approx_prompt_tokens, filler_text, prompt_key
+from gateway.emulator.outputs import OutputLengths, filler_text, prompt_key
 from gateway.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.engine.profiles import arch_for
+from gateway.tokens import TokenCounter, content_text
 
-CHAT_TEMPLATE_TOKENS = 3  # per message: role marker and separators, as chat templates add
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 INSTANCE_KEY = web.AppKey("instance", EmulatedInstance)
 POOL_KEY = web.AppKey("pool", object)
@@ -42,29 +42,22 @@ class _BadRequest(Exception):
         self.param = param
 
 
-def _prompt_of(body: dict, chat: bool) -> tuple[str, int]:
-    """The prompt text (for the length lookup) and its token count."""
+def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
+    """The prompt text (for the length lookup) and its token count, counted as the gateway counts it."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("'messages' must be a non-empty list", "messages")
-        parts, text = [], ""
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            content = content if isinstance(content, str) else ""
-            parts.append(content)
-            if isinstance(m, dict) and m.get("role") == "user":
-                text = content
+        texts = [content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
+        last_user = [t for m, t in zip(messages, texts) if isinstance(m, dict) and m.get("role") == "user"]
         # Labels are keyed by the last user turn, which is what a router sees as "the prompt".
-        return text or parts[-1], sum(approx_prompt_tokens(p) for p in parts) + CHAT_TEMPLATE_TOKENS * len(parts)
+        return (last_user[-1] if last_user else "") or texts[-1], tokens.count_chat(messages)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _BadRequest("'prompt' must be a string", "prompt")
-    return prompt, approx_prompt_tokens(prompt)
+    return prompt, max(1, tokens.count(prompt))  # the engine needs a token to prefill
 
 
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -83,7 +76,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     if body.get("model") not in (None, inst.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
     try:
-        text, prompt_tokens = _prompt_of(body, chat)
+        text, prompt_tokens = _prompt_of(body, chat, pool.tokens)
     except _BadRequest as e:
         return _error(400, str(e), param=e.param)
     if body.get("n") not in (None, 1):
@@ -104,7 +97,10 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
             param="max_tokens",
         )
     stream = bool(body.get("stream"))
-    include_usage = bool(stream and isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"))
+    options = body.get("stream_options") if stream and isinstance(body.get("stream_options"), dict) else {}
+    include_usage = bool(options.get("include_usage"))
+    # As in vLLM: running usage in every chunk, only together with include_usage.
+    continuous_usage = include_usage and bool(options.get("continuous_usage_stats"))
 
     rid = inst.new_request_id("chatcmpl" if chat else "cmpl")
     loop_now = asyncio.get_running_loop().time()
@@ -120,7 +116,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                 await wake.wait()
                 wake.clear()
             return web.Response(body=orjson.dumps(_full_body(chat, rid, created, inst.model, seq, text_seed)), content_type="application/json")
-        return await _stream(request, chat, rid, created, inst.model, seq, wake, text_seed, include_usage)
+        return await _stream(request, chat, rid, created, inst.model, seq, wake, text_seed, include_usage,
+                             continuous_usage)
     finally:
         inst.release(seq, asyncio.get_running_loop().time())
         pool.kick()
@@ -142,13 +139,19 @@ def _full_body(chat: bool, rid: str, created: int, model: str, seq, text_seed: i
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(seq)}
 
 
-async def _stream(request, chat, rid, created, model, seq, wake, text_seed, include_usage) -> web.StreamResponse:
+async def _stream(request, chat, rid, created, model, seq, wake, text_seed, include_usage,
+                  continuous_usage) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model}
+
+    def chunk(choice: dict) -> bytes:
+        return _sse({**head, "choices": [choice], **({"usage": _usage(seq)} if continuous_usage else {})})
+
     if chat:
-        await resp.write(_sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}))
+        await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}))
     sent = 0
     while True:
         await wake.wait()
@@ -161,7 +164,7 @@ async def _stream(request, chat, rid, created, model, seq, wake, text_seed, incl
                 choice = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason, "stop_reason": None}
-            await resp.write(_sse({**head, "choices": [choice]}))
+            await resp.write(chunk(choice))
             sent = n
         if seq.finished:
             break
@@ -217,6 +220,7 @@ class EmulatedPool:
         self.instances = {c.name: EmulatedInstance(c, now=loop_now, seed=seed) for c in config.instances}
         means = {c.model: arch_for(c.model).mean_output_tokens for c in config.instances}
         self.lengths = lengths or OutputLengths(means, seed=seed)
+        self.tokens = TokenCounter()
         self.tick_s = config.emulator.tick_s
         self._runners: dict[str, web.AppRunner] = {}
         self._timer: asyncio.TimerHandle | None = None

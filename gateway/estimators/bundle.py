@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import numpy as np
 
 from gateway.estimators.build import read_manifest, verify
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
+from gateway.scheduling.policy import Estimates
+
+log = logging.getLogger(__name__)
 
 
 class Estimators:
@@ -16,6 +22,7 @@ class Estimators:
         self.knn = knn
         self.heads = heads
         self.manifest = manifest
+        self._warned: list[str] = []
 
     @classmethod
     def load(cls, config, models_dir: Path | None = None) -> Estimators:
@@ -33,3 +40,22 @@ class Estimators:
     def estimate(self, prompts: list[str]) -> KnnEstimate:
         """Quality and length per pool model for a batch: one embed call, one FAISS search."""
         return self.knn.estimate(self.embedder.embed(prompts))
+
+    def for_instances(self, prompts: list[str], instances) -> Estimates:
+        """Estimates with one column per instance (its model's prediction).
+
+        A model the labels do not cover gets the mean over the labelled models
+        (a prompt-blind stand-in), so a pool model added without retraining is
+        still routable; retrain to give it its own labels.
+        """
+        embeddings = self.embedder.embed(prompts)
+        est = self.knn.estimate(embeddings)
+        column = {m: j for j, m in enumerate(est.models)}
+        missing = sorted({i.model for i in instances} - column.keys())
+        if missing and missing != self._warned:
+            log.warning("no quality/length labels for %s: using the mean over the labelled models", ", ".join(missing))
+            self._warned = missing
+        mean_q, mean_len = est.quality.mean(axis=1), est.length.mean(axis=1)
+        quality = np.column_stack([est.quality[:, column[i.model]] if i.model in column else mean_q for i in instances])
+        length = np.column_stack([est.length[:, column[i.model]] if i.model in column else mean_len for i in instances])
+        return Estimates(quality, length, embeddings)

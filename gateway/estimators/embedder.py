@@ -118,6 +118,9 @@ class Embedder:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+        # Idle threads sleep instead of spinning: on 2 shared cores spinning burnt
+        # ~25% more CPU per prompt (measured) for no gain in latency.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3

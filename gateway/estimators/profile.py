@@ -17,7 +17,8 @@ import aiohttp
 import orjson
 
 from gateway.estimators.latency import FEATURES, tier_key
-from gateway.estimators.traces import GatewayView, trace_row
+from gateway.estimators.traces import trace_row
+from gateway.scheduling.instance_view import InstanceState
 from gateway.telemetry import parse_vllm_metrics
 
 log = logging.getLogger("routebalance.profile")
@@ -30,7 +31,7 @@ def prompt_of(tokens: int) -> str:
     return text[: max(4, tokens * 4)]
 
 
-async def _scrape_forever(session, url: str, view: GatewayView, interval_s: float, timeout: aiohttp.ClientTimeout):
+async def _scrape_forever(session, url: str, view: InstanceState, interval_s: float, timeout: aiohttp.ClientTimeout):
     loop = asyncio.get_running_loop()
     while True:
         try:
@@ -42,7 +43,7 @@ async def _scrape_forever(session, url: str, view: GatewayView, interval_s: floa
 
 
 async def _one_request(session, url: str, model: str, rid: int, prompt_tokens: int, output_tokens: int,
-                       view: GatewayView, timeout: aiohttp.ClientTimeout, rate: float, tier: str) -> dict | None:
+                       view: InstanceState, timeout: aiohttp.ClientTimeout, rate: float, tier: str) -> dict | None:
     loop = asyncio.get_running_loop()
     feats = view.features(prompt_tokens, output_tokens)
     view.dispatched(rid, prompt_tokens, output_tokens)
@@ -87,7 +88,7 @@ async def live_sweep(url: str, model: str, gpu: str, lengths: list[tuple[int, in
     """Sweep one instance at each rate (req/s); returns trace rows (see traces.py)."""
     rng = random.Random(seed)
     tier = tier_key(model, gpu)
-    view = GatewayView()
+    view = InstanceState()
     timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
     scrape_timeout = aiohttp.ClientTimeout(total=max(1.0, scrape_interval_s * 2))
     slots = asyncio.Semaphore(max_concurrency)

@@ -4,7 +4,7 @@ Each row holds the features the gateway saw when it dispatched the request
 (latency.FEATURES) and the TPOT the request then got. `virtual_sweep` drives
 the emulator's engine model in virtual time (seconds of work for the built-in
 pool); `profile.live_sweep` does the same over HTTP against any
-OpenAI-compatible instance. Both feed the same GatewayView bookkeeping, so a
+OpenAI-compatible instance. Both feed the same InstanceState bookkeeping, so a
 head trained on either sees features computed the same way as at serve time.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,51 +20,10 @@ import orjson
 from gateway.engine.engine import Engine
 from gateway.engine.profiles import arch_for, spec_for_instance
 from gateway.estimators.latency import FEATURES, tier_key
+from gateway.scheduling.instance_view import InstanceState
 from gateway.telemetry import EngineSnapshot
 
 SWEEP_LOAD = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)  # shares of the tier's estimated request capacity
-
-
-@dataclass(slots=True)
-class _InFlight:
-    prompt_tokens: int
-    output_tokens: int
-    streamed: int = 0
-
-
-@dataclass(slots=True)
-class GatewayView:
-    """What the gateway knows of one instance: the last two scrapes and its own dispatches."""
-
-    last: EngineSnapshot | None = None
-    last_at: float = 0.0
-    decode_rate: float = 0.0
-    in_flight: dict = field(default_factory=dict)
-
-    def scraped(self, snap: EngineSnapshot, now: float) -> None:
-        if self.last is not None and now > self.last_at:
-            self.decode_rate = max(0.0, (snap.generation_tokens - self.last.generation_tokens) / (now - self.last_at))
-        self.last, self.last_at = snap, now
-
-    def dispatched(self, rid, prompt_tokens: int, output_tokens: int) -> None:
-        self.in_flight[rid] = _InFlight(prompt_tokens, output_tokens)
-
-    def streamed(self, rid, tokens: int) -> None:
-        if rid in self.in_flight:
-            self.in_flight[rid].streamed = tokens
-
-    def done(self, rid) -> None:
-        self.in_flight.pop(rid, None)
-
-    def features(self, prompt_tokens: int, output_tokens: int) -> list[float]:
-        snap = self.last or EngineSnapshot(0, 0, 0, 0, 0)
-        flights = self.in_flight.values()
-        return [
-            snap.running, snap.waiting, snap.kv_usage, self.decode_rate, len(self.in_flight),
-            sum(f.prompt_tokens for f in flights if f.streamed == 0),
-            sum(max(f.output_tokens - f.streamed, 0) for f in flights),
-            prompt_tokens, output_tokens,
-        ]
 
 
 def capacity_rps(inst, mean_output_tokens: float) -> float:
@@ -93,7 +51,7 @@ def virtual_sweep(inst, lengths: list[tuple[int, int]], *, requests_per_rate: in
 
 def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: float, rng: random.Random) -> list[dict]:
     tier = tier_key(inst.model, inst.gpu)
-    engine, view = Engine(spec_for_instance(inst)), GatewayView()
+    engine, view = Engine(spec_for_instance(inst)), InstanceState()
     rows: list[dict] = []
     dispatch_features: dict[int, list[float]] = {}
     generated_total = 0

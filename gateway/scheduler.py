@@ -1,0 +1,202 @@
+"""The scheduler's shell: queue requests, fire batches, run estimators and policies off the loop.
+
+Handlers `await decide(request)`. One task forms batches (scheduling/batcher.py)
+and hands each to a single worker thread, which embeds the whole batch once,
+runs the policies over a snapshot of the pool and returns one Decision per
+request. The event loop never waits on that work. Before the decisions are
+handed back, each request is entered in the pool accounting on its chosen
+instance, so the next batch's snapshot already counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gateway.api.errors import ApiError
+from gateway.config import Config, ConfigStore
+from gateway.metrics import GatewayMetrics
+from gateway.scheduling.batcher import BatchQueue, batch_limit, busy_share
+from gateway.scheduling.instance_view import PoolAccounting
+from gateway.scheduling.policies import make_policy
+from gateway.scheduling.policy import Decision, Estimates, RouteRequest
+
+log = logging.getLogger("routebalance.scheduler")
+
+
+@dataclass(eq=False, slots=True)
+class Pending:
+    """A request waiting for its decision; also its key in the pool accounting."""
+
+    request: RouteRequest
+    streaming: bool
+    future: asyncio.Future = field(repr=False)
+
+
+@dataclass(slots=True)
+class BatchTimings:
+    estimate_s: float = 0.0
+    score_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, store: ConfigStore, accounting: PoolAccounting, metrics: GatewayMetrics, estimators=None):
+        self.store = store
+        self.accounting = accounting
+        self.metrics = metrics
+        self.estimators = estimators  # estimators.bundle.Estimators, or None if not built
+        self.queue: BatchQueue[Pending] = BatchQueue(store.current.batching.max_queue)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="scheduler")
+        self.wakeup = asyncio.Event()
+        self.policies: dict[str, object] = {}  # built on first use, dropped on reload
+        self.task: asyncio.Task | None = None
+        store.subscribe(self._on_config)
+
+    def _on_config(self, cfg: Config) -> None:
+        self.policies = {}  # options or knobs may have changed
+        self.queue.max_queue = cfg.batching.max_queue
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def decide(self, request: RouteRequest, streaming: bool) -> tuple[Pending, Decision]:
+        """Queue the request for the next batch and wait for its decision (429 if the queue is full)."""
+        loop = asyncio.get_running_loop()
+        pending = Pending(request, streaming, loop.create_future())
+        if not self.queue.push(pending, loop.time()):
+            self.metrics.rejected.labels("queue_full").inc()
+            raise ApiError(429, f"the gateway has {self.queue.max_queue} requests waiting to be scheduled; "
+                                "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.wakeup.set()
+        try:
+            return pending, await pending.future
+        except asyncio.CancelledError:
+            self.queue.remove(pending)
+            raise
+
+    # ---- the batch loop --------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.queue:
+                await self.wakeup.wait()
+                self.wakeup.clear()
+                continue
+            cfg = self.store.current
+            now = loop.time()
+            size = max(rule.size for rule in cfg.batching.rules)
+            if cfg.batching.mode == "window":
+                waiting = self.accounting.waiting(cfg.instances, now, cfg.telemetry.stale_after_s)
+                limit = batch_limit(cfg.batching.rules, busy_share(waiting))
+                if not self.queue.ready(limit, now):
+                    await self._sleep_until(self.queue.closes_at(limit) - now)
+                    continue
+                size = limit.size
+            try:
+                await self._fire(cfg, self.queue.take(size))
+            except Exception:  # a broken batch must not stop the scheduler
+                log.exception("scheduling a batch failed")
+
+    async def _sleep_until(self, delay: float) -> None:
+        self.wakeup.clear()
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), max(delay, 0.0))
+        except TimeoutError:
+            pass
+
+    async def _fire(self, cfg: Config, items) -> None:
+        loop = asyncio.get_running_loop()
+        items = [(t, p) for t, p in items if not p.future.done()]
+        if not items:
+            return
+        fired = loop.time()
+        batch = [p.request for _, p in items]
+        view = self.accounting.snapshot(cfg.instances, fired, cfg.telemetry.stale_after_s)
+        try:
+            decisions, timings = await loop.run_in_executor(self.executor, self.decide_now, cfg, batch, view)
+        except Exception as e:
+            error = e if isinstance(e, ApiError) else ApiError(500, f"scheduling failed: {e.__class__.__name__}")
+            if not isinstance(e, ApiError):
+                log.exception("policy failed on a batch of %d", len(batch))
+            for _, p in items:
+                if not p.future.done():
+                    p.future.set_exception(error)
+            return
+        m = self.metrics
+        m.batch_size.observe(len(batch))
+        m.estimate_seconds.observe(timings.estimate_s)
+        m.score_seconds.observe(timings.score_s)
+        now = loop.time()
+        for (arrived, pending), decision in zip(items, decisions):
+            m.batch_wait.observe(fired - arrived)
+            m.decision_seconds.observe(now - arrived)
+            if decision.ranked:
+                req, chosen = pending.request, cfg.instances[decision.ranked[0]]
+                self.accounting.of(chosen.name).dispatched(pending, req.input_tokens, decision.tokens or 0.0, now,
+                                                           pending.streaming)
+                _observe_decision(m, req.policy, chosen.model, decision)
+            if not pending.future.done():
+                pending.future.set_result(decision)
+            elif decision.ranked:  # the client left while its batch was being scored
+                self.accounting.of(cfg.instances[decision.ranked[0]].name).done(pending)
+
+    # ---- in the worker thread ------------------------------------------------------
+    def _policy(self, cfg: Config, name: str):
+        policy = self.policies.get(name)
+        if policy is None:
+            try:
+                policy = self.policies[name] = make_policy(name, cfg, self.estimators)
+            except ValueError as e:  # e.g. a router that needs the estimators when none are built
+                raise ApiError(503, f"policy {name!r} is unavailable: {e}") from None
+        return policy
+
+    def decide_now(self, cfg: Config, batch: list[RouteRequest], view) -> tuple[list[Decision], BatchTimings]:
+        timings = BatchTimings()
+        groups: dict[str, list[int]] = {}
+        for r, req in enumerate(batch):
+            groups.setdefault(req.policy, []).append(r)
+        policies = {name: self._policy(cfg, name) for name in groups}
+        estimates = None
+        if any(p.needs_estimates for p in policies.values()):
+            if self.estimators is None:
+                raise ApiError(503, "this policy needs the estimators, which are not built: run `routebalance train`")
+            start = time.perf_counter()
+            estimates = self.estimators.for_instances([r.prompt_text for r in batch], cfg.instances)
+            timings.estimate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        decisions: list[Decision | None] = [None] * len(batch)
+        # Policies run one after another on the same view, so each sees what the others dispatched.
+        for name, rows in groups.items():
+            sub = _rows(estimates, rows) if estimates is not None else None
+            for r, d in zip(rows, policies[name].assign([batch[r] for r in rows], sub, view)):
+                decisions[r] = d
+        timings.score_s = time.perf_counter() - start
+        return decisions, timings  # type: ignore[return-value]
+
+
+def _observe_decision(m: GatewayMetrics, policy: str, model: str, d: Decision) -> None:
+    m.chosen.labels(policy, model).inc()
+    if d.quality is not None:
+        m.predicted_quality.observe(d.quality)
+    if d.cost_usd is not None:
+        m.predicted_cost.labels(model).inc(d.cost_usd)
+    if d.latency_s is not None:
+        m.predicted_latency.observe(d.latency_s)
+
+
+def _rows(est: Estimates, rows: list[int]) -> Estimates:
+    if len(rows) == len(est.quality):
+        return est
+    idx = np.array(rows)
+    return Estimates(est.quality[idx], est.length[idx], None if est.embeddings is None else est.embeddings[idx])

@@ -1,0 +1,199 @@
+"""RouteBalance's per-batch assignment (paper section 4.1, Algorithm 1), as plain functions.
+
+Per batch: order the requests by their longest predicted answer (LPT); for
+each, drop the candidates its budget cannot pay (Eq. 2), score the rest by
+Eq. 1 and take the best, then add the request to the chosen instance's
+state (dead reckoning) so the next request sees it. Quality and length are
+prompt-intrinsic and come in once per batch; latency depends on instance
+state and is re-derived after every dispatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.scheduling.policy import Decision, Estimates, PoolView, RouteRequest
+
+# Feature rows for a TPOT head: instance state (PoolView.state) + prompt and answer tokens.
+TpotFn = Callable[[str, np.ndarray], np.ndarray]  # (tier, rows) -> seconds per token
+TIE = 1e-9  # scores this close are equal; the tie-break decides
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreOptions:
+    quality_term: str = "raw"  # "raw" | "minmax"
+    latency_term: str = "heads"  # "heads" | "prior" | "off"
+    tiebreak: str = "shortest_queue"  # "shortest_queue" | "predicted"
+    lpt: bool = True
+    budget_filter: bool = True
+
+
+def predicted_costs(input_tokens: float, length: np.ndarray, price_in: np.ndarray, price_out: np.ndarray) -> np.ndarray:
+    """Eq. 2's left side: input at the instance's input price plus its model's predicted answer."""
+    return input_tokens * price_in + length * price_out
+
+
+def eq1_scores(weights: tuple[float, float, float], quality: np.ndarray, cost: np.ndarray,
+               latency: np.ndarray) -> np.ndarray:
+    """Eq. 1 over one request's candidates: w_q Q + w_c (1 - C/max C) + w_l (1 - T/max T).
+
+    Cost and latency are scaled by the candidates' maxima, so a 6x cheaper
+    candidate counts in proportion rather than all or nothing. A term whose
+    maximum is 0 (every candidate free, or latency off) is equal for all.
+    """
+    w_q, w_l, w_c = weights
+    return w_q * quality + w_c * (1.0 - _share_of_max(cost)) + w_l * (1.0 - _share_of_max(latency))
+
+
+def _share_of_max(x: np.ndarray) -> np.ndarray:
+    top = x.max()
+    return x / top if top > 0 else np.zeros_like(x)
+
+
+def min_max(x: np.ndarray) -> np.ndarray:
+    lo, hi = x.min(), x.max()
+    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
+
+
+def lpt_order(lengths: Sequence[np.ndarray]) -> list[int]:
+    """Requests by their longest predicted answer over their candidates, longest first (stable)."""
+    keys = [float(row.max()) if len(row) else 0.0 for row in lengths]
+    return sorted(range(len(keys)), key=lambda r: -keys[r])
+
+
+def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, active: np.ndarray,
+                     max_num_seqs: np.ndarray) -> np.ndarray:
+    """Seconds to the end of the answer (paper section 4.2).
+
+    With a free decode slot the request decodes at once: L x tpot. With every
+    slot taken it first waits through d/b iterations of the running batch
+    (d pending decode tokens over b running sequences): (d/b + L) x tpot.
+    """
+    busy = active >= max_num_seqs
+    batch = np.maximum(np.minimum(active, max_num_seqs), 1)
+    wait = np.where(busy, pending_decode / batch, 0.0)
+    return tpot_s * (wait + length)
+
+
+class BatchLatency:
+    """Per-(request, instance) TPOT for a batch, kept current as dispatches land.
+
+    The heads run once per tier at the start (one call over every request of
+    the batch on every instance of the tier) and again for an instance each
+    time it gets a request. A prediction never falls after a dispatch: added
+    work cannot make an instance faster, and a tree's noise must not pull the
+    next request onto the instance that just got one.
+    """
+
+    def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None):
+        self.tpot_fn = tpot
+        self.inputs = np.array([r.input_tokens for r in batch], dtype=np.float64)
+        self.length = est.length
+        n, n_inst = est.length.shape
+        if tpot is None:  # the static prior: nominal TPOT, no telemetry
+            self.tpot = np.broadcast_to(view.tpot_prior_s, (n, n_inst)).copy()
+            return
+        self.tpot = np.empty((n, n_inst))
+        for tier in dict.fromkeys(view.tiers):
+            cols = [i for i, t in enumerate(view.tiers) if t == tier]
+            rows = np.concatenate([self._rows(view, i) for i in cols])
+            self.tpot[:, cols] = tpot(tier, rows).reshape(len(cols), n).T
+
+    def _rows(self, view: PoolView, i: int) -> np.ndarray:
+        n = len(self.inputs)
+        return np.column_stack([np.broadcast_to(view.state[i], (n, view.state.shape[1])),
+                                self.inputs, self.length[:, i]]).astype(np.float32)
+
+    def dispatched(self, view: PoolView, i: int) -> None:
+        """Re-predict instance i's column after `view.dispatched` added a request to it."""
+        if self.tpot_fn is not None:
+            fresh = self.tpot_fn(view.tiers[i], self._rows(view, i))
+            self.tpot[:, i] = np.maximum(self.tpot[:, i], fresh)
+
+
+def capped(batch: Sequence[RouteRequest], est: Estimates) -> Estimates:
+    """Predicted lengths cut at each request's max_tokens: an answer cannot run past it."""
+    limits = np.array([r.max_tokens or np.inf for r in batch], dtype=np.float64)
+    if np.isinf(limits).all():
+        return est
+    return Estimates(est.quality, np.minimum(est.length, limits[:, None]), est.embeddings)
+
+
+def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: ScoreOptions,
+                 tpot: TpotFn | None) -> list[Decision]:
+    """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place."""
+    est = capped(batch, est)
+    latency = BatchLatency(batch, est, view, tpot if options.latency_term == "heads" else None)
+    usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
+    order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
+    decisions: list[Decision | None] = [None] * len(batch)
+    for k, r in enumerate(order):
+        req, cands = batch[r], usable[r]
+        decisions[r] = decide_one(req, r, cands, est, view, latency, options)
+        chosen = decisions[r].ranked[0] if decisions[r].ranked else None
+        if chosen is not None:
+            tokens = float(est.length[r, chosen])
+            view.dispatched(chosen, tokens, req.input_tokens)
+            if k + 1 < len(batch):  # the last request's dispatch has no one left to inform
+                latency.dispatched(view, chosen)
+    return decisions  # type: ignore[return-value]
+
+
+def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, view: PoolView,
+               latency: BatchLatency, options: ScoreOptions) -> Decision:
+    length = est.length[r, cands]
+    cost = predicted_costs(req.input_tokens, length, view.price_in[cands], view.price_out[cands])
+    t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands], view.active[cands],
+                         view.max_num_seqs[cands])
+    quality = est.quality[r, cands]
+    if req.budget_usd is not None:
+        keep, fallback = admit(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
+                               options.budget_filter)
+        if not keep.any():
+            if fallback is None:
+                return Decision((), refused=refusal(req.budget_usd, req.input_tokens, view.price_in[cands],
+                                                    view.price_out[cands]))
+            best = fallback[0]
+            return Decision(tuple(int(c) for c in cands[fallback]), quality=float(quality[best]),
+                            cost_usd=float(cost[best]), latency_s=float(t[best]), tokens=float(length[best]))
+        cands, length, cost, t, quality = cands[keep], length[keep], cost[keep], t[keep], quality[keep]
+    q_term = min_max(quality) if options.quality_term == "minmax" else quality
+    weights = req.weights
+    if options.latency_term == "off":
+        weights = (weights[0], 0.0, weights[2])
+    scores = eq1_scores(weights, q_term, cost, t)
+    # Best score first; among equal scores the tie-break: the shorter queue
+    # (dead-reckoned requests on the instance) or the lower predicted latency.
+    tie_key = view.active[cands] if options.tiebreak == "shortest_queue" else t
+    rounded = np.round(scores / TIE) * TIE
+    ranking = np.lexsort((cands, tie_key, -rounded))
+    best = ranking[0]
+    return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
+                    latency_s=float(t[best]), tokens=float(length[best]))
+
+
+def admit(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
+          use_filter: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Eq. 2 over one request's candidates: (mask of those kept, fallback order).
+
+    Kept: predicted cost within the budget (or, with the filter off, able to
+    pay for the prompt and one answer token; the dispatch clamp does the
+    rest). If none is kept, the fallback is the candidates that can pay for
+    the prompt and one token, cheapest first: they serve an answer clamped to
+    what the budget buys. No fallback (None) means the request is refused.
+    """
+    payable = input_tokens * price_in + price_out <= budget
+    keep = (cost <= budget) & payable if use_filter else payable
+    if keep.any() or not payable.any():
+        return keep, None
+    idx = np.flatnonzero(payable)
+    return keep, idx[np.argsort(cost[idx], kind="stable")]
+
+
+def refusal(budget: float, input_tokens: int, price_in: np.ndarray, price_out: np.ndarray) -> str:
+    cheapest = float((input_tokens * price_in + price_out).min()) if len(price_in) else 0.0
+    return (f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and one "
+            f"answer token on any candidate instance; the cheapest needs {cheapest:.8f} USD")

@@ -1,0 +1,236 @@
+"""Pipeline-mode baselines: model routers, dispatchers and the policy that chains them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.config import DISPATCHERS, ROUTERS, Instance
+from gateway.estimators.knn import KnnEstimator
+from gateway.scheduling.policies.pipeline import make_pipeline
+from gateway.scheduling.policy import Estimates, PoolView, RouteRequest
+
+DIM = 16
+# model -> (USD per 1M input tokens, per 1M output tokens, TPOT ms, replicas)
+MODELS = {"small": (0.1, 0.2, 10.0, 2), "mid": (0.5, 1.0, 20.0, 2), "big": (2.0, 4.0, 40.0, 4)}
+LABELLED = ("small", "mid", "big")
+
+
+def pool(extra_model: str | None = None) -> tuple[Instance, ...]:
+    """s0 s1 m0 m1 b0 b1 b2 b3 (indices 0-7), plus one instance of an unlabelled model if asked."""
+    specs = [(m, p) for m, p in MODELS.items() for _ in range(p[3])]
+    if extra_model:
+        specs.append((extra_model, (0.01, 0.01, 5.0, 1)))
+    return tuple(Instance(name=f"{m}{k}", url=f"http://127.0.0.1:{9001 + k}", model=m, gpu="A30-24GB",
+                          price_input_per_mtok=p[0], price_output_per_mtok=p[1], tpot_prior_ms=p[2])
+                 for k, (m, p) in enumerate(specs))
+
+
+def view_of(instances, active=None, available=None) -> PoolView:
+    n = len(instances)
+    state = np.zeros((n, 7))
+    if active is not None:
+        state[:, 0] = active  # RUNNING
+    return PoolView(
+        instances=instances,
+        available=np.ones(n, dtype=bool) if available is None else np.asarray(available, dtype=bool),
+        state=state,
+        max_num_seqs=np.array([i.max_num_seqs for i in instances], dtype=float),
+        price_in=np.array([i.price_input_per_mtok for i in instances]) / 1e6,
+        price_out=np.array([i.price_output_per_mtok for i in instances]) / 1e6,
+        tpot_prior_s=np.array([i.tpot_prior_ms for i in instances]) / 1e3,
+        tiers=tuple(i.model for i in instances),
+    )
+
+
+def indices(instances, model: str) -> tuple[int, ...]:
+    return tuple(k for k, i in enumerate(instances) if i.model == model)
+
+
+def request(candidates, input_tokens: int = 50) -> RouteRequest:
+    return RouteRequest(candidates=tuple(candidates), prompt_text="p", input_tokens=input_tokens, max_tokens=None,
+                        weights=(1 / 3, 1 / 3, 1 / 3))
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+# Two prompt clusters around basis vectors 0 and 1. Cluster A: big is best; cluster B: mid is best.
+# Every model answers 100 tokens, so cost ranks by output price: small is cheapest everywhere.
+CLUSTER_QUALITY = {"A": (0.2, 0.5, 0.9), "B": (0.3, 0.8, 0.4)}
+
+
+def near(cluster: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    centre = np.zeros(DIM)
+    centre["AB".index(cluster)] = 1.0
+    return unit(centre + 0.05 * rng.standard_normal((n, DIM)))
+
+
+@pytest.fixture(scope="module")
+def knn() -> KnnEstimator:
+    rng = np.random.default_rng(1)
+    emb = np.vstack([near("A", 30, rng), near("B", 30, rng)])
+    quality = np.repeat(np.array([CLUSTER_QUALITY["A"], CLUSTER_QUALITY["B"]]), 30, axis=0)
+    length = np.full((60, 3), 100.0)
+    return KnnEstimator.build(emb, quality, length, LABELLED)
+
+
+def prices_out(instances) -> dict[str, float]:
+    return {i.model: i.price_output_per_mtok / 1e6 for i in instances}
+
+
+def estimates_for(instances, quality_by_model: list[dict[str, float]], embeddings=None) -> Estimates:
+    """Per-instance columns from per-model predictions; every model answers 200 tokens."""
+    q = np.array([[row[i.model] for i in instances] for row in quality_by_model])
+    return Estimates(quality=q, length=np.full(q.shape, 200.0), embeddings=embeddings)
+
+
+def picks(decisions) -> list[int]:
+    return [d.ranked[0] for d in decisions]
+
+
+@pytest.mark.parametrize("name", [f"{r}+{d}" for r in ROUTERS for d in DISPATCHERS])
+def test_every_combination_keeps_each_request_on_its_own_candidates(name, knn):
+    inst = pool()
+    policy = make_pipeline(name, knn=knn, prices_out=prices_out(inst), clusters=2)
+    assert policy.name == name
+    assert policy.needs_estimates == (not name.startswith("passthrough"))
+    small, mid, big = (indices(inst, m) for m in LABELLED)
+    cand_sets = [small + mid + big, mid, big, small + big, (1, 3, 5), mid + big] * 3
+    rng = np.random.default_rng(2)
+    est = Estimates(quality=rng.uniform(size=(len(cand_sets), len(inst))), length=rng.uniform(10, 500, (len(cand_sets), len(inst))),
+                    embeddings=unit(rng.standard_normal((len(cand_sets), DIM))))
+    assert policy.assign([], Estimates(est.quality[:0], est.length[:0], est.embeddings[:0]), view_of(inst)) == []
+    decisions = policy.assign([request(c) for c in cand_sets], est, view_of(inst))
+    assert len(decisions) == len(cand_sets)
+    for cands, d in zip(cand_sets, decisions, strict=True):
+        assert sorted(d.ranked) == sorted(cands)  # everything usable, chosen first, nothing foreign
+        assert d.refused is None
+    for cands, d in zip(cand_sets, decisions, strict=True):
+        if cands in (mid, big):  # one model's instances: stays on that model
+            assert {inst[i].model for i in d.ranked} == {inst[cands[0]].model}
+
+
+def test_the_chosen_models_instances_come_first_and_the_predictions_are_for_ranked_0():
+    inst = pool()
+    policy = make_pipeline("best_route+shortest_queue", best_route_threshold=0.0)
+    est = estimates_for(inst, [{"small": 0.1, "mid": 0.2, "big": 0.9}])
+    (d,) = policy.assign([request(range(len(inst)), input_tokens=1000)], est, view_of(inst))
+    assert [inst[i].model for i in d.ranked[:4]] == ["big"] * 4
+    b = d.ranked[0]
+    assert d.tokens == 200.0 and d.quality == pytest.approx(0.9)
+    assert d.cost_usd == pytest.approx(1000 * 2.0e-6 + 200 * 4.0e-6)
+    assert d.latency_s == pytest.approx(0.040 * 200)
+    assert inst[b].model == "big"
+
+
+def test_round_robin_cycles_each_models_instances_even_when_models_interleave():
+    inst = pool()
+    policy = make_pipeline("best_route+round_robin", best_route_threshold=0.0)
+    everything, small = tuple(range(len(inst))), indices(inst, "small")
+    # Even requests may use anything (big is predicted best); odd ones only small.
+    batch = [request(everything if r % 2 == 0 else small) for r in range(8)]
+    est = estimates_for(inst, [{"small": 0.1, "mid": 0.2, "big": 0.9}] * 8)
+    view = view_of(inst)
+    first = picks(policy.assign(batch, est, view))
+    big = indices(inst, "big")
+    assert first[0::2] == list(big)
+    assert first[1::2] == [small[0], small[1], small[0], small[1]]
+    assert picks(policy.assign(batch[:2], est, view)) == [big[0], small[0]]  # the turns carry over batches
+
+
+def test_shortest_queue_spreads_a_burst_instead_of_herding():
+    inst = pool()
+    big = indices(inst, "big")
+    policy = make_pipeline("passthrough+shortest_queue")
+    chosen = picks(policy.assign([request(big) for _ in range(8)], None, view_of(inst)))
+    assert sorted(chosen.count(b) for b in big) == [2, 2, 2, 2]
+
+
+def test_shortest_queue_prefers_the_emptiest_and_breaks_ties_by_free_share():
+    inst = pool()
+    big = indices(inst, "big")
+    active = np.zeros(len(inst))
+    active[list(big)] = [3, 1, 2, 2]
+    view = view_of(inst, active=active)
+    view.max_num_seqs[big[3]] = 512  # same queue as big[2], but a smaller share of its slots
+    (d,) = make_pipeline("passthrough+shortest_queue").assign([request(big)], None, view)
+    assert d.ranked == (big[1], big[3], big[2], big[0])
+
+
+def test_random_is_deterministic_for_a_seed_and_covers_every_instance():
+    inst = pool()
+    big = indices(inst, "big")
+    batch = [request(big) for _ in range(40)]
+
+    def run(seed):
+        return picks(make_pipeline("passthrough+random", seed=seed).assign(batch, None, view_of(inst)))
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    assert set(run(7)) == set(big)
+
+
+def test_an_instance_known_down_is_not_ranked():
+    inst = pool()
+    big = indices(inst, "big")
+    available = np.ones(len(inst), dtype=bool)
+    available[big[0]] = False
+    decisions = make_pipeline("passthrough+round_robin").assign([request(big)] * 6, None,
+                                                                 view_of(inst, available=available))
+    assert all(big[0] not in d.ranked for d in decisions)
+
+
+@pytest.mark.parametrize(("threshold", "model"), [(0.0, "big"), (0.15, "mid"), (1.0, "small")])
+def test_best_route_takes_the_cheapest_model_within_the_threshold(threshold, model):
+    inst = pool()
+    est = estimates_for(inst, [{"small": 0.5, "mid": 0.6, "big": 0.7}])
+    (d,) = make_pipeline("best_route+round_robin", best_route_threshold=threshold).assign(
+        [request(range(len(inst)))], est, view_of(inst))
+    assert inst[d.ranked[0]].model == model
+
+
+def test_best_route_picks_among_the_requests_own_models_only():
+    inst = pool()
+    est = estimates_for(inst, [{"small": 0.5, "mid": 0.6, "big": 0.7}])
+    cands = indices(inst, "mid") + indices(inst, "big")
+    (d,) = make_pipeline("best_route+round_robin", best_route_threshold=1.0).assign([request(cands)], est,
+                                                                                    view_of(inst))
+    assert inst[d.ranked[0]].model == "mid"
+
+
+@pytest.mark.parametrize("clusters", [2, 64])  # 64 is capped at the 60 training prompts
+@pytest.mark.parametrize(("weight", "expected"), [(1.0, {"A": "big", "B": "mid"}), (0.0, {"A": "small", "B": "small"})])
+def test_avengers_follows_the_cluster_labels(knn, clusters, weight, expected):
+    inst = pool()
+    policy = make_pipeline("avengers+shortest_queue", knn=knn, prices_out=prices_out(inst),
+                           performance_weight=weight, clusters=clusters)
+    rng = np.random.default_rng(3)
+    emb = np.vstack([near("A", 4, rng), near("B", 4, rng)])
+    est = Estimates(quality=np.zeros((8, len(inst))), length=np.full((8, len(inst)), 100.0), embeddings=emb)
+    decisions = policy.assign([request(range(len(inst))) for _ in range(8)], est, view_of(inst))
+    assert [inst[d.ranked[0]].model for d in decisions] == [expected["A"]] * 4 + [expected["B"]] * 4
+
+
+def test_avengers_never_picks_an_unlabelled_model(knn):
+    inst = pool(extra_model="tiny")
+    tiny, small = indices(inst, "tiny"), indices(inst, "small")
+    policy = make_pipeline("avengers+round_robin", knn=knn, prices_out=prices_out(inst), performance_weight=0.0,
+                           clusters=2)
+    emb = near("A", 2, np.random.default_rng(4))
+    est = Estimates(quality=np.zeros((2, len(inst))), length=np.full((2, len(inst)), 100.0), embeddings=emb)
+    mixed, only_tiny = policy.assign([request(tiny + small), request(tiny)], est, view_of(inst))
+    assert inst[mixed.ranked[0]].model == "small"  # tiny is cheaper, but has no labels
+    assert mixed.ranked[-1] == tiny[0]
+    assert only_tiny.ranked == tiny  # no labelled model: passthrough
+
+
+def test_bad_names_are_refused(knn):
+    for bad in ("passthrough", "nope+round_robin", "passthrough+nope", "routebalance", "passthrough+random+x"):
+        with pytest.raises(ValueError, match="passthrough, avengers, best_route"):
+            make_pipeline(bad)
+    with pytest.raises(ValueError, match="KNN"):
+        make_pipeline("avengers+random")
+    with pytest.raises(ValueError, match="KNN"):
+        make_pipeline("avengers+random", knn=knn)

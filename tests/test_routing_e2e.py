@@ -1,0 +1,209 @@
+"""Routing through the whole stack with the openai SDK: decisions, presets, budgets, baselines, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import tomllib
+
+import httpx
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+from conftest import Stack, dump_toml, free_port, pool_config, wait_for
+from gateway.config import POLICY_NAMES, default_config_path
+from gateway.tokens import TokenCounter
+
+MODEL_3B, MODEL_72B = "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-72B-Instruct"
+PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    c = openai.OpenAI(base_url=stack.base_url, api_key="unused", timeout=60, max_retries=0)
+    yield c
+    c.close()
+
+
+def test_answers_carry_the_decision(client, stack):
+    raw = client.chat.completions.with_raw_response.create(model="auto", messages=PROMPT, max_tokens=8)
+    assert raw.parse().choices[0].message.content
+    quality = float(raw.headers["X-Route-Predicted-Quality"])
+    assert 0.0 <= quality <= 1.0
+    assert float(raw.headers["X-Route-Predicted-Cost-USD"]) > 0
+    metrics = httpx.get(stack.root + "/metrics").text
+    assert 'routebalance_routed_total{model="' in metrics and "routebalance_batch_size_count" in metrics
+    assert "routebalance_estimate_seconds_count" in metrics
+
+
+def test_presets_move_requests_between_tiers(client):
+    prompts = [f"Write a detailed proof that there are infinitely many primes, variant {n}." for n in range(6)]
+    prompts += [f"Say hello to user {n}." for n in range(6)]
+
+    def served(preset: str) -> list[str]:
+        out = []
+        for p in prompts:
+            raw = client.chat.completions.with_raw_response.create(
+                model="auto", messages=[{"role": "user", "content": p}], max_tokens=2,
+                extra_body={"routing": {"preset": preset}})
+            out.append(raw.headers["X-Route-Model"])
+        return out
+
+    quality, cost = served("quality"), served("cost")
+    assert quality.count(MODEL_3B) < cost.count(MODEL_3B)
+    assert cost.count(MODEL_3B) >= len(prompts) // 2
+
+
+def test_a_budget_that_cannot_pay_for_the_input_is_refused(client):
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model="auto", messages=PROMPT, extra_body={"routing": {"budget_usd": 1e-9}})
+    assert err.value.status_code == 402
+    assert "budget" in err.value.message
+
+
+def test_a_budget_for_a_short_answer_clamps_it(client, stack):
+    # The prompt costs n x 0.06e-6 USD on 3B and n x 0.07e-6 on 7B; the budget leaves 3B
+    # ten answer tokens and 7B not even one, so 3B must serve, clamped to ten tokens.
+    messages = [{"role": "user", "content": "Summarise the history of the printing press in Europe. " * 6}]
+    n = TokenCounter().count_chat(messages)
+    budget = (n + 10.5) * 0.06e-6
+    assert budget < (n + 1) * 0.07e-6
+    raw = client.chat.completions.with_raw_response.create(
+        model="auto", messages=messages, max_tokens=500, extra_body={"routing": {"budget_usd": budget}})
+    resp = raw.parse()
+    assert raw.headers["X-Route-Model"] == MODEL_3B
+    assert int(raw.headers["X-Route-Max-Tokens"]) == 10
+    assert resp.usage.prompt_tokens == n and resp.usage.completion_tokens <= 10
+    assert resp.usage.model_extra["cost_usd"] <= budget
+
+
+def test_every_pipeline_baseline_routes(stack):
+    with httpx.Client(timeout=60) as http:
+        for policy in POLICY_NAMES:
+            r = http.post(stack.base_url + "/chat/completions", headers={"X-Route-Policy": policy},
+                          json={"model": "auto", "messages": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200, (policy, r.text)
+            assert r.headers["X-Route-Model"] in stack.store.current.models()
+            # A pool model name keeps every policy inside that model's instances.
+            r = http.post(stack.base_url + "/chat/completions", headers={"X-Route-Policy": policy},
+                          json={"model": MODEL_3B, "messages": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["X-Route-Model"] == MODEL_3B
+        r = http.post(stack.base_url + "/chat/completions", headers={"X-Route-Policy": "nope+random"},
+                      json={"model": "auto", "messages": PROMPT})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "routing.policy"
+
+
+def test_losing_the_72b_tier_serves_everything_from_the_rest(tmp_path, built):
+    """Both 72B instances go down mid-run; every request still succeeds, on the other tiers."""
+    path = pool_config(tmp_path, built[0].estimators.models_dir)
+    stack = Stack(path)
+    try:
+        data = tomllib.loads(path.read_text())
+        for inst in data["instances"]:
+            if inst["model"] == MODEL_72B:
+                inst["faults"] = {"down": True}
+        path.write_text(dump_toml(data))
+        assert stack.gateway.reload("test")[0]
+        stack.call(asyncio.sleep(0.3))  # let the emulator close the two ports
+
+        def one(n: int) -> httpx.Response:
+            return httpx.post(stack.base_url + "/chat/completions", timeout=60,
+                              headers={"X-Route-Preset": "quality"},
+                              json={"model": "auto", "max_tokens": 4,
+                                    "messages": [{"role": "user", "content": f"Prove theorem {n} carefully."}]})
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, range(40)))
+        assert [r.status_code for r in answers] == [200] * 40
+        assert all(r.headers["X-Route-Model"] != MODEL_72B for r in answers)
+    finally:
+        stack.stop()
+
+
+def test_a_full_queue_answers_429(tmp_path):
+    # A long window holds the first request in the queue; the second finds it full.
+    path = pool_config(tmp_path, batching={"mode": "window", "max_queue": 1,
+                                           "rules": [{"below": 1.01, "size": 32, "window_ms": 1500.0}]})
+    stack = Stack(path)
+    try:
+        body = {"model": "auto", "messages": PROMPT, "max_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, stack.base_url + "/chat/completions", json=body, timeout=30)
+            wait_for(lambda: len(stack.gateway.scheduler.queue) == 1, what="the first request to queue")
+            second = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=30)
+            assert second.status_code == 429 and second.headers["Retry-After"]
+            assert second.json()["error"]["type"] == "rate_limit_error"
+            assert first.result().status_code == 200
+    finally:
+        stack.stop()
+
+
+# ---- streaming early stop, against an upstream that does not honour max_tokens ----------
+
+SEEN_MAX_TOKENS, FINISHED, ABORTED = web.AppKey("seen", list), web.AppKey("finished", list), web.AppKey("aborted", list)
+
+
+async def endless_stream(request: web.Request) -> web.StreamResponse:
+    """Streams one token per event with running usage, ignoring max_tokens, until the client goes."""
+    body = await request.json()
+    request.app[SEEN_MAX_TOKENS].append(body.get("max_tokens"))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    try:
+        for n in range(1, 2001):
+            event = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": MODEL_3B,
+                     "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}],
+                     "usage": {"prompt_tokens": 20, "completion_tokens": n, "total_tokens": 20 + n}}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await asyncio.sleep(0.001)
+        request.app[FINISHED].append(True)
+    except (ConnectionResetError, asyncio.CancelledError):
+        request.app[ABORTED].append(True)
+        raise
+    return resp
+
+
+def test_a_stream_is_stopped_when_its_budget_runs_out(tmp_path):
+    data = tomllib.loads(default_config_path().read_text())
+    template = next(i for i in data["instances"] if i["model"] == MODEL_3B)
+    port = free_port()
+    data["instances"] = [{**template, "name": "endless", "url": f"http://127.0.0.1:{port}"}]
+    data["server"]["port"] = free_port()
+    data["scheduler"]["policy"] = "passthrough+round_robin"
+    path = tmp_path / "config.toml"
+    path.write_text(dump_toml(data))
+    stack = Stack(path, emulate=False)
+    app = web.Application()
+    app[SEEN_MAX_TOKENS], app[FINISHED], app[ABORTED] = [], [], []
+    app.router.add_post("/v1/chat/completions", endless_stream)
+    runner = web.AppRunner(app)
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    stack.call(start())
+    try:
+        # 20 prompt tokens at 0.06 USD/M = 1.2e-6; 3.0e-6 leaves 1.8e-6, 30 answer tokens.
+        budget = 3.0e-6
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", timeout=30, max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="auto", messages=[{"role": "user", "content": "go"}], stream=True,
+            stream_options={"include_usage": True}, extra_body={"routing": {"budget_usd": budget}}))
+        client.close()
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert reasons == ["length"]
+        marked = [c for c in chunks if (c.model_extra or {}).get("routebalance")]
+        assert marked and marked[0].model_extra["routebalance"]["budget_exhausted"] is True
+        usage = chunks[-1].usage
+        assert usage.completion_tokens <= 30 and usage.model_extra["cost_usd"] <= budget
+        # The clamp was sent (from the gateway's own count of the prompt); this upstream ignores it.
+        n = TokenCounter().count_chat([{"role": "user", "content": "go"}])
+        assert app[SEEN_MAX_TOKENS] == [int((budget - n * 0.06e-6) / 0.06e-6 + 1e-6)]
+        wait_for(lambda: app[ABORTED], timeout=5, what="the upstream to see its connection closed")
+        assert not app[FINISHED]
+    finally:
+        stack.call(runner.cleanup())
+        stack.stop()
