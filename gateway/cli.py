@@ -57,13 +57,28 @@ def load_estimators(cfg):
         return None
 
 
+def workload_lengths(cfg):
+    """Answer lengths for the emulator: every prompt of the synthetic workload (the
+    training records and the held-out ones the simulator and the load tests replay)
+    is answered at its labelled length for the model that serves it."""
+    from gateway.emulator.outputs import OutputLengths
+    from gateway.engine.profiles import arch_for
+    from gateway.sim.evalset import EVAL_PROMPTS, label_lengths
+    from gateway.workload import generate
+
+    records = generate(cfg.estimators.train_records + EVAL_PROMPTS, seed=cfg.estimators.seed)
+    means = {i.model: arch_for(i.model).mean_output_tokens for i in cfg.instances}
+    return OutputLengths(means, labels=label_lengths(records), seed=cfg.emulator.seed)
+
+
 async def start_emulator(store: ConfigStore):
     """Start the emulated pool; it follows the fault knobs of every config reload."""
     from gateway.emulator.server import EmulatedPool
 
-    pool = EmulatedPool(store.current)
-    await pool.start()
     loop = asyncio.get_running_loop()
+    lengths = await loop.run_in_executor(None, workload_lengths, store.current)
+    pool = EmulatedPool(store.current, lengths=lengths)
+    await pool.start()
     tasks: set[asyncio.Task] = set()
 
     def on_reload(config) -> None:

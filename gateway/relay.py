@@ -78,8 +78,9 @@ def record_usage(usage: dict, instance, result: RelayResult) -> None:
     """Cost a request from the instance's own token counts (malformed counts count as 0)."""
     result.prompt_tokens = _count(usage, "prompt_tokens")
     result.completion_tokens = _count(usage, "completion_tokens")
-    result.cost_usd = usage["cost_usd"] = (result.prompt_tokens * instance.price_input_per_mtok
-                                           + result.completion_tokens * instance.price_output_per_mtok) / 1e6
+    result.cost_usd = usage["cost_usd"] = predicted_cost(result.prompt_tokens, result.completion_tokens,
+                                                         per_token(instance.price_input_per_mtok),
+                                                         per_token(instance.price_output_per_mtok))
 
 
 def upstream_payload(req: CompletionRequest, instance, max_tokens: int | None = None,

@@ -11,6 +11,7 @@ instance, so the next batch's snapshot already counts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +32,21 @@ log = logging.getLogger("routebalance.scheduler")
 
 @dataclass(eq=False, slots=True)
 class Pending:
-    """A request waiting for its decision; also its key in the pool accounting."""
+    """A request waiting for its decision; also its key in the pool accounting.
+
+    `model` is what the client asked for, so the candidates can be found again
+    if the config is reloaded while the request waits. Once decided, `config`
+    is the config whose instance indices the decision uses, and `accounted_on`
+    the instance the request is entered under in the accounting.
+    """
 
     request: RouteRequest
+    model: str
     streaming: bool
     future: asyncio.Future = field(repr=False)
+    parsed_with: Config | None = field(default=None, repr=False)
+    config: Config | None = field(default=None, repr=False)
+    accounted_on: str | None = None
 
 
 @dataclass(slots=True)
@@ -45,20 +56,22 @@ class BatchTimings:
 
 
 class Scheduler:
-    def __init__(self, store: ConfigStore, accounting: PoolAccounting, metrics: GatewayMetrics, estimators=None):
+    def __init__(self, store: ConfigStore, accounting: PoolAccounting, metrics: GatewayMetrics, estimators=None,
+                 candidates_for=None):
         self.store = store
         self.accounting = accounting
         self.metrics = metrics
         self.estimators = estimators  # estimators.bundle.Estimators, or None if not built
+        self.candidates_for = candidates_for  # (config, model) -> instance indices; raises ApiError
         self.queue: BatchQueue[Pending] = BatchQueue(store.current.batching.max_queue)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="scheduler")
         self.wakeup = asyncio.Event()
-        self.policies: dict[str, object] = {}  # built on first use, dropped on reload
+        # Built on first use in the worker thread, for the config they were built from.
+        self.policies: tuple[Config | None, dict[str, object]] = (None, {})
         self.task: asyncio.Task | None = None
         store.subscribe(self._on_config)
 
     def _on_config(self, cfg: Config) -> None:
-        self.policies = {}  # options or knobs may have changed
         self.queue.max_queue = cfg.batching.max_queue
 
     def start(self) -> None:
@@ -70,10 +83,13 @@ class Scheduler:
             await asyncio.gather(self.task, return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def decide(self, request: RouteRequest, streaming: bool) -> tuple[Pending, Decision]:
-        """Queue the request for the next batch and wait for its decision (429 if the queue is full)."""
+    async def decide(self, request: RouteRequest, model: str, streaming: bool, parsed_with: Config
+                     ) -> tuple[Pending, Decision]:
+        """Queue the request for the next batch and wait for its decision (429 if the queue is full).
+
+        The caller must hand the returned Pending to `release` when the request ends."""
         loop = asyncio.get_running_loop()
-        pending = Pending(request, streaming, loop.create_future())
+        pending = Pending(request, model, streaming, loop.create_future(), parsed_with)
         if not self.queue.push(pending, loop.time()):
             self.metrics.rejected.labels("queue_full").inc()
             raise ApiError(429, f"the gateway has {self.queue.max_queue} requests waiting to be scheduled; "
@@ -83,7 +99,22 @@ class Scheduler:
             return pending, await pending.future
         except asyncio.CancelledError:
             self.queue.remove(pending)
+            self.release(pending)  # decided just before the client left: undo its dispatch accounting
             raise
+
+    def release(self, pending: Pending) -> None:
+        """The request is over: take it out of the accounting of the instance it was entered on."""
+        if pending.accounted_on is not None:
+            self.accounting.of(pending.accounted_on).done(pending)
+            pending.accounted_on = None
+
+    def move(self, pending: Pending, instance, tokens: float, now: float) -> None:
+        """The request goes to another instance than planned (a retry): move its accounting there."""
+        if pending.accounted_on != instance.name:
+            self.release(pending)
+            self.accounting.of(instance.name).dispatched(pending, pending.request.input_tokens, tokens, now,
+                                                         pending.streaming)
+            pending.accounted_on = instance.name
 
     # ---- the batch loop --------------------------------------------------------
     async def _run(self) -> None:
@@ -103,10 +134,14 @@ class Scheduler:
                     await self._sleep_until(self.queue.closes_at(limit) - now)
                     continue
                 size = limit.size
+            items = self.queue.take(size)
             try:
-                await self._fire(cfg, self.queue.take(size))
-            except Exception:  # a broken batch must not stop the scheduler
+                await self._fire(cfg, items)
+            except Exception as e:  # a broken batch must fail its requests, never hang them or stop the loop
                 log.exception("scheduling a batch failed")
+                for _, p in items:
+                    if not p.future.done():
+                        p.future.set_exception(ApiError(500, f"scheduling failed: {e.__class__.__name__}"))
 
     async def _sleep_until(self, delay: float) -> None:
         self.wakeup.clear()
@@ -115,74 +150,96 @@ class Scheduler:
         except TimeoutError:
             pass
 
+    def _current_candidates(self, cfg: Config, p: Pending) -> bool:
+        """Re-resolve the candidates of a request parsed under another config; False if it failed."""
+        if p.parsed_with is cfg:
+            return True
+        try:
+            p.request = dataclasses.replace(p.request, candidates=self.candidates_for(cfg, p.model))
+        except ApiError as e:  # its model left the pool with the reload
+            p.future.set_exception(e)
+            return False
+        p.parsed_with = cfg
+        return True
+
     async def _fire(self, cfg: Config, items) -> None:
         loop = asyncio.get_running_loop()
-        items = [(t, p) for t, p in items if not p.future.done()]
+        items = [(t, p) for t, p in items if not p.future.done() and self._current_candidates(cfg, p)]
         if not items:
             return
         fired = loop.time()
         batch = [p.request for _, p in items]
         view = self.accounting.snapshot(cfg.instances, fired, cfg.telemetry.stale_after_s)
-        try:
-            decisions, timings = await loop.run_in_executor(self.executor, self.decide_now, cfg, batch, view)
-        except Exception as e:
-            error = e if isinstance(e, ApiError) else ApiError(500, f"scheduling failed: {e.__class__.__name__}")
-            if not isinstance(e, ApiError):
-                log.exception("policy failed on a batch of %d", len(batch))
-            for _, p in items:
-                if not p.future.done():
-                    p.future.set_exception(error)
-            return
+        outcomes, timings = await loop.run_in_executor(self.executor, self.decide_now, cfg, batch, view)
         m = self.metrics
         m.batch_size.observe(len(batch))
         m.estimate_seconds.observe(timings.estimate_s)
         m.score_seconds.observe(timings.score_s)
         now = loop.time()
-        for (arrived, pending), decision in zip(items, decisions):
+        for (arrived, pending), outcome in zip(items, outcomes, strict=True):
+            if isinstance(outcome, ApiError):
+                if not pending.future.done():
+                    pending.future.set_exception(outcome)
+                continue
             m.batch_wait.observe(fired - arrived)
             m.decision_seconds.observe(now - arrived)
-            if decision.ranked:
-                req, chosen = pending.request, cfg.instances[decision.ranked[0]]
-                self.accounting.of(chosen.name).dispatched(pending, req.input_tokens, decision.tokens or 0.0, now,
-                                                           pending.streaming)
-                _observe_decision(m, req.policy, chosen.model, decision)
+            pending.config = cfg
+            if outcome.ranked:
+                req, chosen = pending.request, cfg.instances[outcome.ranked[0]]
+                _observe_decision(m, req.policy, chosen.model, outcome)
+                if not pending.future.done():  # the client may have left while its batch was scored
+                    self.accounting.of(chosen.name).dispatched(pending, req.input_tokens, outcome.tokens or 0.0,
+                                                               now, pending.streaming)
+                    pending.accounted_on = chosen.name
             if not pending.future.done():
-                pending.future.set_result(decision)
-            elif decision.ranked:  # the client left while its batch was being scored
-                self.accounting.of(cfg.instances[decision.ranked[0]].name).done(pending)
+                pending.future.set_result(outcome)
 
     # ---- in the worker thread ------------------------------------------------------
     def _policy(self, cfg: Config, name: str):
-        policy = self.policies.get(name)
+        built_for, policies = self.policies
+        if built_for is not cfg:  # a reload may have changed the pool, the options or the knobs
+            policies = {}
+            self.policies = (cfg, policies)
+        policy = policies.get(name)
         if policy is None:
             try:
-                policy = self.policies[name] = make_policy(name, cfg, self.estimators)
+                policy = policies[name] = make_policy(name, cfg, self.estimators)
             except ValueError as e:  # e.g. a router that needs the estimators when none are built
                 raise ApiError(503, f"policy {name!r} is unavailable: {e}") from None
         return policy
 
-    def decide_now(self, cfg: Config, batch: list[RouteRequest], view) -> tuple[list[Decision], BatchTimings]:
+    def decide_now(self, cfg: Config, batch: list[RouteRequest], view) -> tuple[list[Decision | ApiError], BatchTimings]:
+        """One Decision per request, or the ApiError of a policy that cannot run (only its requests fail)."""
         timings = BatchTimings()
         groups: dict[str, list[int]] = {}
         for r, req in enumerate(batch):
             groups.setdefault(req.policy, []).append(r)
-        policies = {name: self._policy(cfg, name) for name in groups}
+        outcomes: list[Decision | ApiError | None] = [None] * len(batch)
+        policies = {}
+        for name, rows in groups.items():
+            try:
+                policies[name] = self._policy(cfg, name)
+                if policies[name].needs_estimates and self.estimators is None:
+                    raise ApiError(503, f"policy {name!r} needs the estimators, which are not built: "
+                                        "run `routebalance train`")
+            except ApiError as e:
+                policies.pop(name, None)
+                for r in rows:
+                    outcomes[r] = e
         estimates = None
         if any(p.needs_estimates for p in policies.values()):
-            if self.estimators is None:
-                raise ApiError(503, "this policy needs the estimators, which are not built: run `routebalance train`")
             start = time.perf_counter()
             estimates = self.estimators.for_instances([r.prompt_text for r in batch], cfg.instances)
             timings.estimate_s = time.perf_counter() - start
         start = time.perf_counter()
-        decisions: list[Decision | None] = [None] * len(batch)
         # Policies run one after another on the same view, so each sees what the others dispatched.
-        for name, rows in groups.items():
+        for name, policy in policies.items():
+            rows = groups[name]
             sub = _rows(estimates, rows) if estimates is not None else None
-            for r, d in zip(rows, policies[name].assign([batch[r] for r in rows], sub, view)):
-                decisions[r] = d
+            for r, d in zip(rows, policy.assign([batch[r] for r in rows], sub, view), strict=True):
+                outcomes[r] = d
         timings.score_s = time.perf_counter() - start
-        return decisions, timings  # type: ignore[return-value]
+        return outcomes, timings  # type: ignore[return-value]
 
 
 def _observe_decision(m: GatewayMetrics, policy: str, model: str, d: Decision) -> None:

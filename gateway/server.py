@@ -22,9 +22,9 @@ from gateway.config import POLICY_NAMES, Config, ConfigStore
 from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.relay import (RelayResult, StreamBudget, UpstreamFailed, client_error, open_upstream,
-                           relay_full, relay_stream, upstream_payload)
-from gateway.scheduler import Scheduler
+from gateway.relay import (RelayResult, StreamBudget, UpstreamFailed, asks_continuous_usage, client_error,
+                           open_upstream, relay_full, relay_stream, upstream_payload)
+from gateway.scheduler import Pending, Scheduler
 from gateway.scheduling.budget import clamp_max_tokens
 from gateway.scheduling.instance_view import PoolAccounting
 from gateway.scheduling.policy import Decision, RouteRequest
@@ -96,7 +96,7 @@ class Gateway:
         self.accounting = PoolAccounting()
         self.metrics = GatewayMetrics()
         self.estimators = estimators
-        self.scheduler = Scheduler(store, self.accounting, self.metrics, estimators)
+        self.scheduler = Scheduler(store, self.accounting, self.metrics, estimators, candidates_for)
         self.tokens = TokenCounter()
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
@@ -126,10 +126,9 @@ class Gateway:
         text = "warm up"
         probe = RouteRequest(tuple(range(len(cfg.instances))), text, self.tokens.count(text), 1, (1.0, 0.0, 0.0))
         view = self.accounting.snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)  # a copy: nothing is dispatched
-        try:
-            self.scheduler.decide_now(cfg, [probe], view)
-        except ApiError as e:  # e.g. the configured policy needs estimators that are not built
-            log.warning("warm-up decision failed: %s", e)
+        [outcome], _ = self.scheduler.decide_now(cfg, [probe], view)
+        if isinstance(outcome, ApiError):  # e.g. the configured policy needs estimators that are not built
+            log.warning("warm-up decision failed: %s", outcome)
 
     def _on_config(self, cfg: Config) -> None:
         log.info("config reloaded: %d instances, policy %s", len(cfg.instances), cfg.scheduler.policy)
@@ -169,11 +168,15 @@ class Gateway:
                 budget_usd=req.routing.budget_usd,
                 policy=req.routing.policy or cfg.scheduler.policy,
             )
-            pending, decision = await self.scheduler.decide(routed, req.stream)
+            pending, decision = await self.scheduler.decide(routed, req.model, req.stream, cfg)
             if decision.refused:
                 self.metrics.rejected.labels("budget").inc()
                 raise ApiError(402, decision.refused, "routing.budget_usd", "insufficient_budget")
-            resp = await self._dispatch(request, cfg, req, routed, pending, decision, route, attempt)
+            cfg = pending.config  # the decision's instance indices are this config's
+            try:
+                resp = await self._dispatch(request, cfg, req, pending, decision, route, attempt)
+            finally:
+                self.scheduler.release(pending)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
@@ -197,8 +200,8 @@ class Gateway:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
 
-    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, routed: RouteRequest, pending,
-                        decision: Decision, route: str, attempt: Attempt):
+    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, pending: Pending, decision: Decision,
+                        route: str, attempt: Attempt):
         """Send the request to its instance; before the first byte, retry on the next-ranked ones."""
         loop = asyncio.get_running_loop()
         up = cfg.upstream
@@ -206,61 +209,52 @@ class Gateway:
         # total timeout can bound it; a stream must keep bytes coming.
         timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, sock_connect=up.connect_timeout_s,
                                         sock_read=up.read_timeout_s if req.stream else None)
+        routed = pending.request
         failure: UpstreamFailed | None = None
-        accounted = cfg.instances[decision.ranked[0]].name  # the scheduler entered the request there
         attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
-        try:
-            for idx in decision.ranked:
-                if failed > up.retries:
+        for idx in decision.ranked:
+            if failed > up.retries:
+                break
+            instance = cfg.instances[idx]
+            max_tokens = routed.max_tokens
+            budget = None
+            if routed.budget_usd is not None:
+                budget = StreamBudget.for_instance(routed.budget_usd, instance, routed.input_tokens)
+                max_tokens = clamp_max_tokens(routed.budget_usd, routed.input_tokens, budget.price_in,
+                                              budget.price_out, routed.max_tokens)
+                if max_tokens is None:
+                    continue  # this instance's prices leave nothing for an answer: try the next
+                if max_tokens != routed.max_tokens:
+                    self.metrics.budget_clamps.inc()
+            self.scheduler.move(pending, instance, decision.tokens or 0.0, loop.time())
+            if attempts:
+                self.metrics.retries.labels(instance.name).inc()
+            attempts += 1
+            attempt.instance = instance.name
+            headers = decision_headers(decision, max_tokens if max_tokens != routed.max_tokens else None)
+            try:
+                payload = upstream_payload(req, instance, max_tokens, continuous_usage=budget is not None)
+                upstream = await open_upstream(self.session, instance, ROUTES[route], payload, timeout)
+                self.accounting.mark_up(instance.name)
+                if upstream.status >= 400:
+                    raise await client_error(upstream)
+                if req.stream:
+                    progress = self.accounting.of(instance.name)
+                    return await relay_stream(request, upstream, instance, req.include_usage, attempt.result,
+                                              budget=budget, continuous_usage=asks_continuous_usage(req),
+                                              headers=headers, on_progress=lambda n: progress.streamed(pending, n))
+                resp = await relay_full(upstream, instance, attempt.result)
+                resp.headers.update(headers)
+                return resp
+            except UpstreamFailed as e:
+                failure = e
+                log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
+                if e.unreachable:  # the request never reached it: trying the next costs no retry
+                    self.accounting.mark_down(instance.name, loop.time())
+                    continue
+                failed += 1
+                if not e.retry:
                     break
-                instance = cfg.instances[idx]
-                max_tokens = routed.max_tokens
-                budget = None
-                if routed.budget_usd is not None:
-                    price_in, price_out = instance.price_input_per_mtok / 1e6, instance.price_output_per_mtok / 1e6
-                    max_tokens = clamp_max_tokens(routed.budget_usd, routed.input_tokens, price_in, price_out,
-                                                  routed.max_tokens)
-                    if max_tokens is None:
-                        continue  # this instance's prices leave nothing for an answer: try the next
-                    if max_tokens != routed.max_tokens:
-                        self.metrics.budget_clamps.inc()
-                    budget = StreamBudget(routed.budget_usd, price_in, price_out)
-                if instance.name != accounted:  # move the request's accounting to where it now goes
-                    self.accounting.of(accounted).done(pending)
-                    self.accounting.of(instance.name).dispatched(pending, routed.input_tokens, decision.tokens or 0.0,
-                                                                 loop.time(), req.stream)
-                    accounted = instance.name
-                if attempts:
-                    self.metrics.retries.labels(instance.name).inc()
-                attempts += 1
-                attempt.instance = instance.name
-                headers = decision_headers(decision, max_tokens if max_tokens != routed.max_tokens else None)
-                try:
-                    upstream = await open_upstream(self.session, instance, ROUTES[route],
-                                                   upstream_payload(req, instance, max_tokens, continuous_usage=budget is not None),
-                                                   timeout)
-                    self.accounting.mark_up(instance.name)
-                    if upstream.status >= 400:
-                        raise await client_error(upstream)
-                    if req.stream:
-                        progress = self.accounting.of(instance.name)
-                        return await relay_stream(request, upstream, instance, req.include_usage, attempt.result,
-                                                  budget=budget, headers=headers,
-                                                  on_progress=lambda n: progress.streamed(pending, n))
-                    resp = await relay_full(upstream, instance, attempt.result)
-                    resp.headers.update(headers)
-                    return resp
-                except UpstreamFailed as e:
-                    failure = e
-                    log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
-                    if e.unreachable:  # the request never reached it: trying the next costs no retry
-                        self.accounting.mark_down(instance.name, loop.time())
-                        continue
-                    failed += 1
-                    if not e.retry:
-                        break
-        finally:
-            self.accounting.of(accounted).done(pending)
         if failure is None:
             raise ApiError(402, "the budget cannot pay for this prompt on any remaining candidate",
                            "routing.budget_usd", "insufficient_budget")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gateway.config import default_config_path, load_config
-from gateway.scheduling.assign import (ScoreOptions, admit, assign_batch, eq1_scores, expected_latency, lpt_order,
-                                       predicted_costs)
+from gateway.scheduling.assign import ScoreOptions, admit, assign_batch, eq1_scores, expected_latency, lpt_order
+from gateway.scheduling.budget import predicted_cost
 from gateway.scheduling.instance_view import PoolAccounting
 from gateway.scheduling.policy import Estimates, RouteRequest
 from gateway.workload import generate, split
@@ -48,7 +48,7 @@ def test_eq1_against_a_hand_computed_case():
 
 def test_eq2_costs_and_the_budget_filter():
     price_in, price_out = np.array([0.06e-6, 0.38e-6]), np.array([0.06e-6, 0.40e-6])
-    cost = predicted_costs(1000, np.array([200.0, 50.0]), price_in, price_out)
+    cost = predicted_cost(1000, np.array([200.0, 50.0]), price_in, price_out)
     # 3B: 1000*0.06e-6 + 200*0.06e-6 = 7.2e-5; 72B: 1000*0.38e-6 + 50*0.40e-6 = 4.0e-4
     assert cost == pytest.approx([7.2e-5, 4.0e-4])
     keep, fallback = admit(1e-4, 1000, cost, price_in, price_out, use_filter=True)
@@ -64,11 +64,13 @@ def test_eq2_costs_and_the_budget_filter():
     assert keep.tolist() == [True, True]
 
 
-def test_latency_waits_only_when_every_slot_is_taken():
-    tpot = np.array([0.02, 0.02])
-    t = expected_latency(tpot, np.array([100.0, 100.0]), pending_decode=np.array([4000.0, 4000.0]),
-                         active=np.array([3.0, 8.0]), max_num_seqs=np.array([8.0, 8.0]))
-    assert t == pytest.approx([0.02 * 100, 0.02 * (4000 / 8 + 100)])
+def test_latency_waits_only_without_a_free_slot():
+    tpot = np.full(3, 0.02)
+    # A free slot; every slot running; slots free but requests waiting (the KV cache is full).
+    t = expected_latency(tpot, np.full(3, 100.0), pending_decode=np.array([4000.0, 4000.0, 3000.0]),
+                         running=np.array([3.0, 8.0, 5.0]), waiting=np.array([0.0, 0.0, 2.0]),
+                         max_num_seqs=np.full(3, 8.0))
+    assert t == pytest.approx([0.02 * 100, 0.02 * (4000 / 8 + 100), 0.02 * (3000 / 5 + 100)])
 
 
 def test_lpt_orders_by_longest_prediction_first():

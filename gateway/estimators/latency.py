@@ -70,11 +70,11 @@ class LatencyHeads:
     def tpot(self, tier: str, x: np.ndarray) -> np.ndarray:
         """Seconds per output token for each feature row (n, len(FEATURES))."""
         booster = self.boosters.get(tier)
-        if booster is None:
-            return np.full(len(x), self.priors_s[tier])
+        if booster is None:  # no head; NaN if the tier is unknown altogether (the caller knows its prior)
+            return np.full(len(x), self.priors_s.get(tier, np.nan))
         pred = booster.inplace_predict(np.asarray(x, dtype=np.float32)) / 1000
         # A head never predicts faster than the tier's unloaded decode: that floor is physics.
-        return np.maximum(pred, self.priors_s[tier] * 0.5)
+        return np.maximum(pred, self.priors_s.get(tier, 0.0) * 0.5)
 
     def save(self, directory: Path) -> dict[str, str]:
         """Write one JSON booster per tier; returns tier -> file name."""

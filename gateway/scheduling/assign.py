@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.scheduling.policy import Decision, Estimates, PoolView, RouteRequest
+from gateway.scheduling.budget import predicted_cost, within_budget
+from gateway.scheduling.policy import RUNNING, WAITING, Decision, Estimates, PoolView, RouteRequest
 
 # Feature rows for a TPOT head: instance state (PoolView.state) + prompt and answer tokens.
 TpotFn = Callable[[str, np.ndarray], np.ndarray]  # (tier, rows) -> seconds per token
@@ -29,11 +30,6 @@ class ScoreOptions:
     tiebreak: str = "shortest_queue"  # "shortest_queue" | "predicted"
     lpt: bool = True
     budget_filter: bool = True
-
-
-def predicted_costs(input_tokens: float, length: np.ndarray, price_in: np.ndarray, price_out: np.ndarray) -> np.ndarray:
-    """Eq. 2's left side: input at the instance's input price plus its model's predicted answer."""
-    return input_tokens * price_in + length * price_out
 
 
 def eq1_scores(weights: tuple[float, float, float], quality: np.ndarray, cost: np.ndarray,
@@ -64,17 +60,18 @@ def lpt_order(lengths: Sequence[np.ndarray]) -> list[int]:
     return sorted(range(len(keys)), key=lambda r: -keys[r])
 
 
-def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, active: np.ndarray,
-                     max_num_seqs: np.ndarray) -> np.ndarray:
+def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, running: np.ndarray,
+                     waiting: np.ndarray, max_num_seqs: np.ndarray) -> np.ndarray:
     """Seconds to the end of the answer (paper section 4.2).
 
-    With a free decode slot the request decodes at once: L x tpot. With every
-    slot taken it first waits through d/b iterations of the running batch
-    (d pending decode tokens over b running sequences): (d/b + L) x tpot.
+    With a free decode slot (fewer running than max_num_seqs and nobody
+    waiting) the request decodes at once: L x tpot. Otherwise it first waits
+    through d/b iterations of the running batch (d pending decode tokens over
+    b running sequences): (d/b + L) x tpot. A queue with free slots means the
+    KV cache is full, so it waits then too.
     """
-    busy = active >= max_num_seqs
-    batch = np.maximum(np.minimum(active, max_num_seqs), 1)
-    wait = np.where(busy, pending_decode / batch, 0.0)
+    busy = (running >= max_num_seqs) | (waiting > 0)
+    wait = np.where(busy, pending_decode / np.maximum(running, 1), 0.0)
     return tpot_s * (wait + length)
 
 
@@ -101,6 +98,13 @@ class BatchLatency:
             cols = [i for i, t in enumerate(view.tiers) if t == tier]
             rows = np.concatenate([self._rows(view, i) for i in cols])
             self.tpot[:, cols] = tpot(tier, rows).reshape(len(cols), n).T
+        self._fill_unknown(view)
+
+    def _fill_unknown(self, view: PoolView) -> None:
+        """A tier the heads do not know (added by a reload) answers NaN: use its configured prior."""
+        unknown = np.isnan(self.tpot)
+        if unknown.any():
+            self.tpot = np.where(unknown, view.tpot_prior_s[None, :], self.tpot)
 
     def _rows(self, view: PoolView, i: int) -> np.ndarray:
         n = len(self.inputs)
@@ -111,7 +115,7 @@ class BatchLatency:
         """Re-predict instance i's column after `view.dispatched` added a request to it."""
         if self.tpot_fn is not None:
             fresh = self.tpot_fn(view.tiers[i], self._rows(view, i))
-            self.tpot[:, i] = np.maximum(self.tpot[:, i], fresh)
+            self.tpot[:, i] = np.fmax(self.tpot[:, i], fresh)  # fmax: a NaN (unknown tier) keeps the prior
 
 
 def capped(batch: Sequence[RouteRequest], est: Estimates) -> Estimates:
@@ -126,7 +130,9 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
                  tpot: TpotFn | None) -> list[Decision]:
     """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place."""
     est = capped(batch, est)
-    latency = BatchLatency(batch, est, view, tpot if options.latency_term == "heads" else None)
+    # The heads price latency in the score, or (w_lat = 0) break ties by predicted latency.
+    heads = options.latency_term == "heads" or (options.latency_term == "off" and options.tiebreak == "predicted")
+    latency = BatchLatency(batch, est, view, tpot if heads else None)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
     order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
     decisions: list[Decision | None] = [None] * len(batch)
@@ -145,9 +151,12 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
 def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, view: PoolView,
                latency: BatchLatency, options: ScoreOptions) -> Decision:
     length = est.length[r, cands]
-    cost = predicted_costs(req.input_tokens, length, view.price_in[cands], view.price_out[cands])
-    t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands], view.active[cands],
-                         view.max_num_seqs[cands])
+    cost = predicted_cost(req.input_tokens, length, view.price_in[cands], view.price_out[cands])
+    if options.latency_term == "prior":  # the paper's arm 4: nominal TPOT x length, no instance state
+        t = latency.tpot[r, cands] * length
+    else:
+        t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands],
+                             view.state[cands, RUNNING], view.state[cands, WAITING], view.max_num_seqs[cands])
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep, fallback = admit(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
@@ -166,10 +175,16 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
         weights = (weights[0], 0.0, weights[2])
     scores = eq1_scores(weights, q_term, cost, t)
     # Best score first; among equal scores the tie-break: the shorter queue
-    # (dead-reckoned requests on the instance) or the lower predicted latency.
-    tie_key = view.active[cands] if options.tiebreak == "shortest_queue" else t
+    # (dead-reckoned requests on the instance), or the lower predicted latency
+    # and then the shorter queue (a tree's predictions are piecewise constant,
+    # so instances of a tier often tie on them; without the queue behind them
+    # such ties would all go to the lowest index).
+    queue = view.active[cands]
     rounded = np.round(scores / TIE) * TIE
-    ranking = np.lexsort((cands, tie_key, -rounded))
+    if options.tiebreak == "shortest_queue":
+        ranking = np.lexsort((cands, queue, -rounded))
+    else:
+        ranking = np.lexsort((cands, queue, np.round(t / TIE) * TIE, -rounded))
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
                     latency_s=float(t[best]), tokens=float(length[best]))
@@ -185,8 +200,8 @@ def admit(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarr
     the prompt and one token, cheapest first: they serve an answer clamped to
     what the budget buys. No fallback (None) means the request is refused.
     """
-    payable = input_tokens * price_in + price_out <= budget
-    keep = (cost <= budget) & payable if use_filter else payable
+    payable = within_budget(input_tokens * price_in + price_out, budget)
+    keep = within_budget(cost, budget) & payable if use_filter else payable
     if keep.any() or not payable.any():
         return keep, None
     idx = np.flatnonzero(payable)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gateway.estimators.latency import tier_key
+from gateway.scheduling.budget import per_token
 from gateway.scheduling.policy import PoolView
 from gateway.telemetry import EngineSnapshot
 
@@ -123,8 +124,8 @@ class PoolAccounting:
             available=np.array([s.down_until <= now for s in states], dtype=bool),
             state=np.array(rows, dtype=np.float64).reshape(len(instances), 7),
             max_num_seqs=np.array([i.max_num_seqs for i in instances], dtype=np.float64),
-            price_in=np.array([i.price_input_per_mtok / 1e6 for i in instances]),
-            price_out=np.array([i.price_output_per_mtok / 1e6 for i in instances]),
+            price_in=np.array([per_token(i.price_input_per_mtok) for i in instances]),
+            price_out=np.array([per_token(i.price_output_per_mtok) for i in instances]),
             tpot_prior_s=np.array([i.tpot_prior_ms / 1000 for i in instances]),
             tiers=tuple(tier_key(i.model, i.gpu) for i in instances),
         )

@@ -78,7 +78,8 @@ class PoolView:
     def dispatched(self, i: int, tokens: float, input_tokens: float = 0.0) -> None:
         """Dead reckoning: instance i got one more request of `tokens` predicted answer tokens."""
         s = self.state[i]
-        s[RUNNING if s[RUNNING] < self.max_num_seqs[i] else WAITING] += 1
+        # A request queues behind others already waiting (no free KV), or when every slot runs.
+        s[RUNNING if s[RUNNING] < self.max_num_seqs[i] and s[WAITING] == 0 else WAITING] += 1
         s[IN_FLIGHT] += 1
         s[PENDING_PREFILL] += input_tokens
         s[PENDING_DECODE] += tokens

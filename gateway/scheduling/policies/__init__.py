@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gateway.scheduling.assign import ScoreOptions
+from gateway.scheduling.budget import per_token
 from gateway.scheduling.policies.routebalance import RouteBalance
 
 
@@ -21,7 +22,7 @@ def make_policy(name: str, cfg, estimators=None):
     return make_pipeline(
         name,
         knn=estimators.knn if estimators else None,
-        prices_out={i.model: i.price_output_per_mtok / 1e6 for i in cfg.instances},
+        prices_out={i.model: per_token(i.price_output_per_mtok) for i in cfg.instances},
         performance_weight=knobs.avengers_performance_weight,
         clusters=knobs.avengers_clusters,
         best_route_threshold=knobs.best_route_threshold,

@@ -1,0 +1,8 @@
+"""Discrete-event simulator and evaluation harness (virtual time, the gateway's own scheduling core).
+
+- arrivals.py: Poisson, gamma-bursty and square-wave arrival processes;
+- evalset.py: held-out prompts with their labels and cached estimates, and the compute cost model;
+- simulator.py: one cell, through the batcher, the pool view, the policies and the engine model;
+- metrics.py: a cell's figures from its outcomes (shared with the live check);
+- sweeps.py, plots.py: the named sweeps, their tables and pictures.
+"""

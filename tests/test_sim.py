@@ -1,0 +1,167 @@
+"""The simulator: arrival processes, cell figures, determinism, agreement with the live stack, sweeps."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+
+import numpy as np
+import pytest
+
+from conftest import Stack, dump_toml, pool_config
+from gateway.sim.arrivals import ArrivalSpec, arrival_times
+from gateway.sim.evalset import load_evalset
+from gateway.sim.metrics import summarise
+from gateway.sim.plots import plot_sweep
+from gateway.sim.replay import replay
+from gateway.sim.simulator import CellSpec, Outcome, run_cell
+from gateway.sim.sweeps import frontier, run_one, write_rows, _WORKER
+
+MODEL_72B = "Qwen/Qwen2.5-72B-Instruct"
+
+
+# ---- arrivals ------------------------------------------------------------------
+
+def test_poisson_and_gamma_keep_the_mean_rate_and_gamma_is_burstier():
+    poisson = np.diff(arrival_times(ArrivalSpec("poisson", 10.0), 20000, seed=1), prepend=0)
+    gamma = np.diff(arrival_times(ArrivalSpec("gamma", 10.0, shape=0.25), 20000, seed=1), prepend=0)
+    assert poisson.mean() == pytest.approx(0.1, rel=0.03) and gamma.mean() == pytest.approx(0.1, rel=0.05)
+    # Coefficient of variation: 1 for exponential gaps, 1/sqrt(k) = 2 for gamma with k = 0.25.
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+    assert gamma.std() / gamma.mean() == pytest.approx(2.0, rel=0.1)
+
+
+def test_square_wave_alternates_phase_rates_around_the_mean():
+    spec = ArrivalSpec("square", 12.0, low_high=(0.5, 1.5), period_s=10.0)
+    t = arrival_times(spec, 12000, seed=3)
+    assert len(t) / t[-1] == pytest.approx(12.0, rel=0.05)
+    low = np.sum((t % 10.0) < 5.0)
+    assert (len(t) - low) / low == pytest.approx(3.0, rel=0.1)  # high phase: three times the low rate
+
+
+def test_arrivals_repeat_for_a_seed_and_bad_specs_are_refused():
+    spec = ArrivalSpec("gamma", 5.0, shape=0.5)
+    assert np.array_equal(arrival_times(spec, 100, 7), arrival_times(spec, 100, 7))
+    assert not np.array_equal(arrival_times(spec, 100, 7), arrival_times(spec, 100, 8))
+    with pytest.raises(ValueError):
+        ArrivalSpec("weibull")
+    with pytest.raises(ValueError):
+        ArrivalSpec(rate=0)
+
+
+# ---- figures of a cell --------------------------------------------------------------
+
+def test_summary_of_hand_made_outcomes():
+    models = ("big", "small")
+    outcomes = [
+        Outcome(0.0, 0, dispatched=0.1, first_token=0.5, finished=2.0, quality=0.6, cost_usd=3e-5),
+        Outcome(1.0, 1, dispatched=1.02, first_token=1.2, finished=2.0, quality=0.4, cost_usd=1e-5,
+                budget_usd=2e-5, budget_cut=True),
+        Outcome(1.5, -1, finished=1.5, budget_usd=1e-9),  # refused: counts as quality 0, no latency
+        Outcome(3.0, 1, dispatched=3.03, first_token=3.1, finished=4.0, quality=0.5, cost_usd=1e-5),
+    ]
+    row = summarise(outcomes, models)
+    assert row["served"] == 3 and row["requests"] == 4
+    assert row["quality"] == pytest.approx((0.6 + 0.4 + 0 + 0.5) / 4)
+    assert row["e2e_mean"] == pytest.approx((2.0 + 1.0 + 1.0) / 3)
+    assert row["ttft_mean"] == pytest.approx((0.5 + 0.2 + 0.1) / 3)
+    assert row["residual_mean"] == pytest.approx((0.1 + 0.02 + 0.03) / 3)
+    assert row["throughput"] == pytest.approx(3 / 4.0)  # 3 served from t=0 to the last answer at 4.0
+    assert row["cost_mean"] == pytest.approx(5e-5 / 4)
+    assert row["budget_exhaustion"] == 1.0  # one cut short, one refused
+    assert row["mix"] == {"big": 0.25, "small": 0.5}
+    assert row["e2e_p50"] == pytest.approx(1.0)
+
+
+# ---- the simulator --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sim(built):
+    cfg, _, est = built
+    return cfg, est, load_evalset(cfg, 300, estimators=est)
+
+
+def test_a_cell_repeats_exactly_for_its_seed(sim):
+    cfg, est, ev = sim
+    spec = CellSpec("routebalance", (1 / 3, 1 / 3, 1 / 3), ArrivalSpec(rate=18), 300, seed=4, budget_share=0.3)
+    a, b = (run_cell(cfg, ev, spec, est.knn, est.heads.tpot) for _ in range(2))
+    assert a.outcomes == b.outcomes and a.batches == b.batches
+    other = run_cell(cfg, ev, dataclasses.replace(spec, seed=5), est.knn, est.heads.tpot)
+    assert [o.arrival for o in other.outcomes] != [o.arrival for o in a.outcomes]
+    assert all(not math.isnan(o.finished) for o in a.outcomes)  # every request ends
+
+
+def test_presets_and_a_quality_only_router_behave_as_the_paper_says(sim):
+    cfg, est, ev = sim
+
+    def cell(policy, weights=(1 / 3, 1 / 3, 1 / 3), model=None):
+        r = run_cell(cfg, ev, CellSpec(policy, weights, ArrivalSpec(rate=24.0), 300, model=model),
+                     est.knn, est.heads.tpot)
+        return summarise(r.outcomes, r.models)
+
+    quality, cost = cell("routebalance", (0.8, 0.1, 0.1)), cell("routebalance", (0.1, 0.1, 0.8))
+    assert quality["quality"] > cost["quality"] and quality["cost_mean"] > cost["cost_mean"]
+    assert cost["mix"]["Qwen/Qwen2.5-3B-Instruct"] > 0.5
+    # Every request on the 72B tier (a quality-only router) queues there; RouteBalance's
+    # uniform preset prices that latency in and stays fast.
+    always_72b = cell("passthrough+shortest_queue", model=MODEL_72B)
+    assert always_72b["mix"][MODEL_72B] == 1.0
+    assert cell("routebalance")["e2e_mean"] < 0.5 * always_72b["e2e_mean"]
+
+
+def test_losing_the_72b_tier_serves_every_request_from_the_rest(sim):
+    cfg, est, ev = sim
+    r = run_cell(cfg, ev, CellSpec("routebalance", (0.8, 0.1, 0.1), ArrivalSpec(rate=18), 300,
+                                   down=(MODEL_72B,)), est.knn, est.heads.tpot)
+    row = summarise(r.outcomes, r.models)
+    assert row["served"] == 300 and row["mix"][MODEL_72B] == 0.0
+
+
+def test_simulated_and_live_stacks_agree_on_one_instance(sim, tmp_path):
+    """One 7B instance at ~70% of its capacity: the simulator and the real gateway over the
+    emulator see the same per-token decode time and throughput for the same arrivals."""
+    cfg, est, ev = sim
+    path = pool_config(tmp_path, cfg.estimators.models_dir)
+    data = tomllib.loads(path.read_text())
+    data["instances"] = [i for i in data["instances"] if i["name"] == "qwen7b-a30-0"]
+    data["scheduler"]["policy"] = "passthrough+round_robin"
+    path.write_text(dump_toml(data))
+    stack = Stack(path)
+    try:
+        live_cfg = stack.store.current
+        n, rate = 60, 4.0
+        spec = CellSpec("passthrough+round_robin", arrivals=ArrivalSpec(rate=rate), requests=n, seed=2)
+        times = arrival_times(spec.arrivals, n, spec.seed)
+        outcomes = stack.call(replay(stack.root, ev.prompts[:n], times, "uniform", {"qwen7b-a30-0": 0}), timeout=120)
+    finally:
+        stack.stop()
+    # The evaluation set's label columns follow the config's instances: this one has a single 7B.
+    simulated = run_cell(live_cfg, load_evalset(live_cfg, n, estimators=est), spec).outcomes
+
+    def tpot(os):
+        return np.mean([(o.finished - o.first_token) / (o.completion_tokens - 1) for o in os if o.completion_tokens > 1])
+
+    assert [o.completion_tokens for o in outcomes] == [o.completion_tokens for o in simulated]
+    assert tpot(outcomes) == pytest.approx(tpot(simulated), rel=0.1)
+    live_row, sim_row = summarise(outcomes, ("7B",)), summarise(simulated, ("7B",))
+    assert live_row["throughput"] == pytest.approx(sim_row["throughput"], rel=0.1)
+    assert live_row["e2e_mean"] == pytest.approx(sim_row["e2e_mean"], rel=0.15)
+
+
+def test_a_short_sweep_writes_its_table_and_plots(sim, tmp_path):
+    cfg, est, ev = sim
+    _WORKER.update(cfg=cfg, est=est, evalset=ev)  # what run_sweep's worker loading would hold
+    try:
+        rows = [run_one(c) for c in frontier(120, rates=(12,))]
+    finally:
+        _WORKER.clear()
+    json_path, csv_path = write_rows(rows, tmp_path, "frontier")
+    [png] = plot_sweep("frontier", rows, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert len(csv_path.read_text().splitlines()) == len(rows) + 1
+    systems = {r["system"] for r in rows}
+    assert systems == {"routebalance", "avengers", "best_route", "passthrough", "single_model"}
+    by_label = {r["label"]: r for r in rows if r["system"] == "routebalance"}
+    assert by_label["quality"]["quality"] > by_label["cost"]["quality"]
+    assert all(r["served"] == 120 for r in rows)
