@@ -164,7 +164,8 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
         if mode == "eager":
             return max(busy_until, clock)
         limit = current_limit(clock)
-        return max(busy_until, clock if len(queue) >= limit.size else queue.closes_at(limit))
+        # A window that closed while the worker was busy fires now, not in the past.
+        return max(busy_until, clock, queue.closes_at(limit) if len(queue) < limit.size else clock)
 
     def fire(t: float) -> tuple[float, list[tuple[int, int, int]]]:
         rids = [rid for _, rid in queue.take(largest if mode == "eager" else current_limit(t).size)]
