@@ -26,12 +26,12 @@ import httpx
 
 from gateway.config import default_config_path, load_config
 from gateway.estimators.build import ensure_built
+from gateway.estimators.bundle import Estimators
 from gateway.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.sim.evalset import load_evalset
 from gateway.sim.metrics import summarise
 from gateway.sim.replay import REQUEST_TIMEOUT_S, replay
-from gateway.sim.simulator import CellSpec
-from gateway.sim.sweeps import Cell, run_sweep
+from gateway.sim.simulator import CellSpec, run_cell
 
 # How far live may sit from simulated: relative for times, absolute for shares and quality.
 TOLERANCE = {"quality": ("abs", 0.01), "e2e_mean": ("rel", 0.15), "e2e_p50": ("rel", 0.15),
@@ -81,7 +81,8 @@ def main() -> int:
             ipaddress.ip_address(httpx.URL(i.url).host).is_loopback for i in cfg.instances):
         raise SystemExit("the live check runs on loopback only")
     ensure_built(cfg)
-    ev = load_evalset(cfg, args.requests)
+    estimators = Estimators.load(cfg)
+    ev = load_evalset(cfg, args.requests, estimators=estimators)
     w = cfg.weights(args.preset)
     spec = CellSpec("routebalance", (w.quality, w.latency, w.cost), ArrivalSpec(rate=args.rate), args.requests,
                     args.seed)
@@ -105,15 +106,12 @@ def main() -> int:
         o.quality = float(ev.label_score[r, o.instance])
     models = tuple(i.model for i in cfg.instances)
     live = summarise(outcomes, models)
-    sim = summarise_cell(spec, args.config, args.requests)
+    result = run_cell(cfg, ev, spec, estimators)
+    sim = summarise(result.outcomes, result.models)
     lines, ok = compare(sim, live)
     print(f"{args.requests} requests at {args.rate:g} req/s, preset {args.preset}; live run {live_s:.0f} s")
     print("\n".join(lines))
     return 0 if ok else 1
-
-
-def summarise_cell(spec: CellSpec, config_path: Path, requests: int) -> dict:
-    return run_sweep([Cell("routebalance", "live check", spec)], str(config_path), requests, workers=1)[0]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ class ScoreOptions:
     lpt: bool = True
     budget_filter: bool = True
 
+    @property
+    def uses_heads(self) -> bool:
+        """The heads price latency in the score, or (w_lat = 0) break ties by predicted latency."""
+        return self.latency_term == "heads" or (self.latency_term == "off" and self.tiebreak == "predicted")
+
 
 def eq1_scores(weights: tuple[float, float, float], quality: np.ndarray, cost: np.ndarray,
                latency: np.ndarray) -> np.ndarray:
@@ -130,9 +135,7 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
                  tpot: TpotFn | None) -> list[Decision]:
     """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place."""
     est = capped(batch, est)
-    # The heads price latency in the score, or (w_lat = 0) break ties by predicted latency.
-    heads = options.latency_term == "heads" or (options.latency_term == "off" and options.tiebreak == "predicted")
-    latency = BatchLatency(batch, est, view, tpot if heads else None)
+    latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
     order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
     decisions: list[Decision | None] = [None] * len(batch)

@@ -13,6 +13,7 @@ prompt as one user turn through Qwen2.5's chat template.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,18 +34,26 @@ EVAL_PROMPTS = 3534  # held-out prompts per cell in the paper; the emulator know
 
 @dataclass(frozen=True, slots=True)
 class ComputeCost:
-    """Scheduler compute per batch of n requests: fixed + per_request x n, seconds."""
+    """Scheduler compute per batch of n requests: fixed + per_request x n, seconds.
 
-    estimate_fixed_s: float = 0.005
-    estimate_per_request_s: float = 0.012
-    score_fixed_s: float = 0.003
-    score_per_request_s: float = 0.0005
+    Scoring is timed twice: with the TPOT heads (the default, and the
+    predicted-latency tie-break) and without them (the static prior, w_lat = 0
+    with the queue tie-break), which skips the XGBoost calls."""
+
+    estimate_fixed_s: float
+    estimate_per_request_s: float
+    score_fixed_s: float
+    score_per_request_s: float
+    plain_score_fixed_s: float
+    plain_score_per_request_s: float
 
     def estimate_s(self, n: int) -> float:
         return self.estimate_fixed_s + self.estimate_per_request_s * n
 
-    def score_s(self, n: int) -> float:
-        return self.score_fixed_s + self.score_per_request_s * n
+    def score_s(self, n: int, heads: bool = True) -> float:
+        if heads:
+            return self.score_fixed_s + self.score_per_request_s * n
+        return self.plain_score_fixed_s + self.plain_score_per_request_s * n
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ def label_lengths(records: list[Record]) -> dict[str, dict[str, int]]:
     return {prompt_key(r.prompt): {m: lab.output_length for m, lab in r.models.items()} for r in records}
 
 
-def _cache_key(manifest: dict, cfg, records: list[Record]) -> str:
+def _cache_key(manifest: dict, cfg, records: list[Record] = ()) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(manifest, sort_keys=True).encode())
     h.update(json.dumps([i.model for i in cfg.instances]).encode())
@@ -109,28 +118,38 @@ def load_evalset(cfg, n: int, workload: str | None = None, estimators=None) -> E
     """The evaluation set of n prompts, from the cache or computed (about 12 ms a prompt)."""
     records = evaluation_records(cfg, n, workload)
     models_dir = Path(cfg.estimators.models_dir)
-    key = _cache_key(read_manifest(models_dir), cfg, records)
-    path = models_dir / "sim" / f"eval-{n}-{key}.npz"
+    manifest = read_manifest(models_dir)
+    path = models_dir / "sim" / f"eval-{n}-{_cache_key(manifest, cfg, records)}.npz"
     tokens = TokenCounter()
     prompt_tokens = np.array([tokens.count_chat([{"role": "user", "content": r.prompt}]) for r in records])
     label_score, label_length = _labels(records, cfg.instances)
-    if path.is_file():
-        with np.load(path) as z:
-            cached = {k: z[k] for k in z.files}
-        cost = ComputeCost(*(float(x) for x in cached["cost"]))
-    else:
+
+    def bundle():
+        nonlocal estimators
         if estimators is None:
             from gateway.estimators.bundle import Estimators
 
             estimators = Estimators.load(cfg)
+        return estimators
+
+    if path.is_file():
+        with np.load(path) as z:
+            cached = {k: z[k] for k in z.files}
+    else:
         log.info("estimating %d held-out prompts once for the simulator (cached in %s)", n, path.parent)
-        cached = _estimate(estimators, cfg, [r.prompt for r in records])
-        cost = measure_cost(estimators, cfg, [r.prompt for r in records])
+        cached = _estimate(bundle(), cfg, [r.prompt for r in records])
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **cached, cost=np.array([cost.estimate_fixed_s, cost.estimate_per_request_s,
-                                               cost.score_fixed_s, cost.score_per_request_s]))
+        np.savez(tmp, **cached)
         tmp.replace(path)
+    # Measured once per build and pool, whatever the set's size, so every cell is charged alike.
+    cost_path = models_dir / "sim" / f"cost-{_cache_key(manifest, cfg)}.json"
+    if cost_path.is_file():
+        cost = ComputeCost(**json.loads(cost_path.read_text()))
+    else:
+        cost = measure_cost(bundle(), cfg, [r.prompt for r in records])
+        cost_path.parent.mkdir(parents=True, exist_ok=True)
+        cost_path.write_text(json.dumps(dataclasses.asdict(cost), indent=1))
     return EvalSet(tuple(r.prompt for r in records), prompt_tokens, label_score, label_length,
                    cached["quality"], cached["length"], cached["embeddings"], cost)
 
@@ -155,30 +174,38 @@ def _estimate(estimators, cfg, prompts: list[str], chunk: int = 64) -> dict[str,
 
 
 def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:
-    """Time the real embedder + KNN and the real RouteBalance assignment at batch 1 and 16."""
+    """Time the real embedder + KNN and the real RouteBalance assignment (with and
+    without the TPOT heads) at batch 1 and 16, on the same 32 prompts."""
     from gateway.scheduling.instance_view import PoolAccounting
     from gateway.scheduling.policies import make_policy
     from gateway.scheduling.policy import RouteRequest
+    from gateway.sim.simulator import with_scheduler
 
-    policy = make_policy("routebalance", cfg, estimators)
+    with_heads = make_policy("routebalance", with_scheduler(cfg, latency_term="heads"), estimators)
+    plain = make_policy("routebalance", with_scheduler(cfg, latency_term="prior"), estimators)
     everyone = tuple(range(len(cfg.instances)))
-    sample = prompts[:64]
+    sample = prompts[:32]
 
-    def per_batch(size: int) -> tuple[float, float]:
-        est_s = score_s = 0.0
-        batches = [sample[k:k + size] for k in range(0, len(sample), size)][: max(1, 32 // size) if size == 1 else 4]
+    def per_batch(size: int) -> tuple[float, float, float]:
+        """Seconds per batch of `size`: estimate, score with heads, score without."""
+        totals = [0.0, 0.0, 0.0]
+        batches = [sample[k:k + size] for k in range(0, len(sample), size)]
         for texts in batches:
+            requests = [RouteRequest(everyone, t, 60, None, (1 / 3, 1 / 3, 1 / 3)) for t in texts]
             start = time.perf_counter()
             est = estimators.for_instances(texts, cfg.instances)
-            mid = time.perf_counter()
-            view = PoolAccounting().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
-            policy.assign([RouteRequest(everyone, t, 60, None, (1 / 3, 1 / 3, 1 / 3)) for t in texts], est, view)
-            est_s += mid - start
-            score_s += time.perf_counter() - mid
-        return est_s / len(batches), score_s / len(batches)
+            totals[0] += time.perf_counter() - start
+            for k, policy in ((1, with_heads), (2, plain)):
+                view = PoolAccounting().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
+                start = time.perf_counter()
+                policy.assign(requests, est, view)
+                totals[k] += time.perf_counter() - start
+        return tuple(t / len(batches) for t in totals)
 
     per_batch(1)  # warm-up
-    e1, s1 = per_batch(1)
-    e16, s16 = per_batch(16)
-    e_slope, s_slope = max((e16 - e1) / 15, 0.0), max((s16 - s1) / 15, 0.0)
-    return ComputeCost(max(e1 - e_slope, 0.0), e_slope, max(s1 - s_slope, 0.0), s_slope)
+    one, sixteen = per_batch(1), per_batch(16)
+    fitted = []
+    for a, b in zip(one, sixteen):
+        slope = max((b - a) / 15, 0.0)
+        fitted += [max(a - slope, 0.0), slope]
+    return ComputeCost(*fitted)

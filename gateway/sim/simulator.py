@@ -34,7 +34,7 @@ from gateway.engine.profiles import spec_for_instance
 from gateway.scheduling.batcher import BatchQueue, batch_limit, busy_share
 from gateway.scheduling.budget import clamp_max_tokens, per_token
 from gateway.scheduling.instance_view import PoolAccounting
-from gateway.scheduling.policies import make_policy
+from gateway.scheduling.policies import make_policy, score_options
 from gateway.scheduling.policy import Estimates, RouteRequest
 from gateway.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.sim.evalset import EvalSet
@@ -84,6 +84,7 @@ class CellResult:
     outcomes: tuple[Outcome, ...]
     models: tuple[str, ...]  # model of each instance, in config order
     batches: tuple[int, ...]  # size of each batch the scheduler fired
+    ranked_down: tuple[int, ...] = ()  # requests whose decision put a down instance first
 
 
 def budgets(spec: CellSpec, prompt_tokens: np.ndarray) -> list[float | None]:
@@ -94,13 +95,14 @@ def budgets(spec: CellSpec, prompt_tokens: np.ndarray) -> list[float | None]:
     return [float((p + spec.budget_answer_tokens) * price) if c else None for p, c in zip(prompt_tokens, chosen)]
 
 
-def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=None) -> CellResult:
-    """Simulate one cell. `estimators_knn` (for Avengers-style routing) and `tpot`
-    (the TPOT heads; None: the static prior) come from the loaded estimators."""
+def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResult:
+    """Simulate one cell. `estimators` (the loaded bundle: KNN index for
+    Avengers-style routing, TPOT heads for RouteBalance) may be None for
+    policies that need neither."""
     ev = evalset.take(spec.requests)
     instances = cfg.instances
     n_inst = len(instances)
-    policy = _policy(cfg, spec.policy, estimators_knn, tpot)
+    policy = make_policy(spec.policy, cfg, estimators)  # the live server's own policy object
     engines = [Engine(spec_for_instance(i)) for i in instances]
     down = {k for k, inst in enumerate(instances) if inst.model in spec.down}
     accounting = PoolAccounting()
@@ -115,6 +117,8 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
         raise ValueError(f"no instance serves {spec.model!r}")
     in_flight: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), until seen finished
     batches: list[int] = []
+    ranked_down: list[int] = []
+    heads = score_options(cfg).uses_heads  # scoring with the heads costs more compute
 
     prices_in = np.array([per_token(i.price_input_per_mtok) for i in instances])
     prices_out = np.array([per_token(i.price_output_per_mtok) for i in instances])
@@ -163,12 +167,15 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
             return math.inf
         if mode == "eager":
             return max(busy_until, clock)
-        limit = current_limit(clock)
         # A window that closed while the worker was busy fires now, not in the past.
-        return max(busy_until, clock, queue.closes_at(limit) if len(queue) < limit.size else clock)
+        return max(busy_until, clock, due(window))
+
+    def due(limit) -> float:
+        """When the queued batch closes under `limit`: now if full, else when its window ends."""
+        return clock if len(queue) >= limit.size else queue.closes_at(limit)
 
     def fire(t: float) -> tuple[float, list[tuple[int, int, int]]]:
-        rids = [rid for _, rid in queue.take(largest if mode == "eager" else current_limit(t).size)]
+        rids = [rid for _, rid in queue.take(largest if mode == "eager" else window.size)]
         batches.append(len(rids))
         view = accounting.snapshot(instances, t, stale)
         requests = [RouteRequest(everyone, ev.prompts[r], int(ev.prompt_tokens[r]), DEFAULT_MAX_TOKENS,
@@ -176,10 +183,12 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
         est = Estimates(ev.quality[rids], ev.length[rids], ev.embeddings[rids]) if policy.needs_estimates else None
         decisions = policy.assign(requests, est, view)
         compute = ev.cost.estimate_s(len(rids)) if policy.needs_estimates else 0.0
-        compute += ev.cost.score_s(len(rids)) if spec.policy == "routebalance" else PIPELINE_SCORE_S
+        compute += ev.cost.score_s(len(rids), heads) if spec.policy == "routebalance" else PIPELINE_SCORE_S
         done_at = t + compute
         placed = []
-        for rid, req, d in zip(rids, requests, decisions):
+        for rid, req, d in zip(rids, requests, decisions, strict=True):
+            if d.ranked and d.ranked[0] in down:
+                ranked_down.append(rid)  # the policy put a known-down instance first
             target = _dispatch_target(d.ranked, req, prices_in, prices_out, down)
             if target is None:
                 outcomes[rid].finished = done_at  # refused: answered at once with an error
@@ -200,6 +209,9 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
                                  output_tokens=label, now=t)
             in_flight[rid] = sequences[rid] = (i, seq)
 
+    # The live loop re-reads the window rule when a request arrives, when a batch
+    # has been dispatched, and when the window it sleeps on ends; not on scrapes.
+    window = current_limit(0.0)
     sequences: dict[int, tuple[int, object]] = {}
     while True:
         t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
@@ -218,10 +230,16 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
             advance(clock)
             dispatch(clock, pending[1])
             pending = None
+            window = current_limit(clock)
         elif clock == t_arrival:
             queue.push(next_arrival, clock)
             next_arrival += 1
+            window = current_limit(clock)
         else:
+            if mode == "window":
+                window = current_limit(clock)
+                if due(window) > clock:
+                    continue  # the rule now asks for a longer window: sleep on
             advance(clock)
             sync()
             busy_until, placed = fire(clock)
@@ -231,24 +249,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators_knn=None, tpot=No
     for rid, (_, seq) in sequences.items():
         _record(outcomes[rid], seq)
     return CellResult(spec, tuple(_costed(outcomes, prices_in, prices_out)), tuple(i.model for i in instances),
-                      tuple(batches))
-
-
-def _policy(cfg, name: str, knn, tpot):
-    """The live server's policy object, with the heads passed in (None: the static prior)."""
-    if name == "routebalance":
-        from gateway.scheduling.policies.routebalance import RouteBalance
-        from gateway.scheduling.policies import score_options
-
-        return RouteBalance(score_options(cfg), tpot if cfg.scheduler.latency_term == "heads" else None)
-    return make_policy(name, cfg, _KnnOnly(knn) if knn is not None else None)
-
-
-class _KnnOnly:
-    """What make_policy reads of the estimators for a pipeline: the KNN index."""
-
-    def __init__(self, knn):
-        self.knn = knn
+                      tuple(batches), tuple(ranked_down))
 
 
 def _dispatch_target(ranked, req: RouteRequest, prices_in, prices_out, down: set[int]):
@@ -264,11 +265,6 @@ def _dispatch_target(ranked, req: RouteRequest, prices_in, prices_out, down: set
                 continue
         return i, max_tokens
     return None
-
-
-def _next_finish(engines) -> float:
-    ends = [e.next_step_end() for e in engines if e.busy]
-    return min((x for x in ends if x is not None), default=math.inf)
 
 
 def _record(out: Outcome, seq) -> None:

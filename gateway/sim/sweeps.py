@@ -17,7 +17,6 @@ import csv
 import json
 import logging
 import multiprocessing
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,22 +118,18 @@ def budget(n: int, rate: float = 16) -> list[Cell]:
 
 def batching(n: int, rates: Sequence[float] = (8, 16, 24)) -> list[Cell]:
     """Paper Fig. 4 at uniform weights: batch formation and LPT."""
-    paper_rules = None  # the config's adaptive rules
-    variants = (
+    variants = (  # (label, [batching] changes, [scheduler] changes); no rules given: the config's adaptive ones
         ("eager (default)", {"mode": "eager"}, {}),
-        ("window, adaptive (paper)", {"mode": "window", "rules": paper_rules}, {}),
-        ("window, adaptive, LPT off", {"mode": "window", "rules": paper_rules}, {"lpt": False}),
-        ("window, adaptive off (16 / 100 ms)", {"mode": "window", "rules": _fixed(16, 100)}, {}),
+        ("window, adaptive (paper)", {"mode": "window"}, {}),
+        ("window, adaptive, LPT off", {"mode": "window"}, {"lpt": False}),
         ("fixed batch 1", {"mode": "window", "rules": _fixed(1, 0)}, {}),
-        ("fixed batch 16", {"mode": "window", "rules": _fixed(16, 100)}, {}),
+        ("fixed batch 16, 100 ms (adaptive off)", {"mode": "window", "rules": _fixed(16, 100)}, {}),
         ("fixed batch 32", {"mode": "window", "rules": _fixed(32, 200)}, {}),
     )
     cells = []
     for rate in rates:
         for label, batch_changes, sched_changes in variants:
-            changes = (("batching", {k: v for k, v in batch_changes.items() if v is not None}),)
-            if sched_changes:
-                changes += (("scheduler", sched_changes),)
+            changes = (("batching", batch_changes),) + ((("scheduler", sched_changes),) if sched_changes else ())
             cells.append(Cell("routebalance", label, CellSpec("routebalance", RB_WEIGHTS["uniform"],
                                                               ArrivalSpec(rate=rate), n), changes))
     return cells
@@ -151,7 +146,7 @@ def robustness(n: int, rate: float = 18) -> list[Cell]:
                  ArrivalSpec("square", rate, low_high=(1 / 3, 5 / 3), period_s=30.0))
     for arr in processes:
         for label in ("uniform", "quality"):
-            cells.append(_rb(label, RB_WEIGHTS[label], rate, n, arrivals=arr, ))
+            cells.append(_rb(label, RB_WEIGHTS[label], rate, n, arrivals=arr))
         cells.append(Cell("best_route", "t=0.02+shortest_queue", CellSpec("best_route+shortest_queue", arrivals=arr,
                                                                            requests=n),
                           (("pipeline", {"best_route_threshold": 0.02}),)))
@@ -201,16 +196,14 @@ def configured(cfg, changes) -> object:
 
 def run_one(cell: Cell) -> dict:
     cfg, est = _WORKER["cfg"], _WORKER["est"]
-    started = time.perf_counter()
-    result = run_cell(configured(cfg, cell.config_changes), _WORKER["evalset"], cell.spec, est.knn, est.heads.tpot)
+    result = run_cell(configured(cfg, cell.config_changes), _WORKER["evalset"], cell.spec, est)
     row = summarise(result.outcomes, result.models)
     spec = cell.spec
     return {"system": cell.system, "label": cell.label, "policy": spec.policy,
             "w_quality": round(spec.weights[0], 4), "w_latency": round(spec.weights[1], 4),
             "w_cost": round(spec.weights[2], 4), "rate": spec.arrivals.rate, "arrivals": spec.arrivals.label(),
             "down": ",".join(spec.down), **cell.tags, **row,
-            "batch_mean": sum(result.batches) / max(len(result.batches), 1),
-            "wall_s": round(time.perf_counter() - started, 2)}
+            "batch_mean": sum(result.batches) / max(len(result.batches), 1)}
 
 
 def run_sweep(cells: list[Cell], config_path: str, requests: int, workers: int = 2,
