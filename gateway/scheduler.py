@@ -1,6 +1,6 @@
 """The scheduler's shell: queue requests, fire batches, run estimators and policies off the loop.
 
-Handlers `await decide(request)`. One task forms batches (scheduling/batcher.py)
+Handlers `await decide(...)` and `release` the request when it ends. One task forms batches (scheduling/batcher.py)
 and hands each to a single worker thread, which embeds the whole batch once,
 runs the policies over a snapshot of the pool and returns one Decision per
 request. The event loop never waits on that work. Before the decisions are
@@ -56,8 +56,8 @@ class BatchTimings:
 
 
 class Scheduler:
-    def __init__(self, store: ConfigStore, accounting: PoolAccounting, metrics: GatewayMetrics, estimators=None,
-                 candidates_for=None):
+    def __init__(self, store: ConfigStore, accounting: PoolAccounting, metrics: GatewayMetrics, estimators,
+                 candidates_for):
         self.store = store
         self.accounting = accounting
         self.metrics = metrics

@@ -207,3 +207,28 @@ def test_a_stream_is_stopped_when_its_budget_runs_out(tmp_path):
     finally:
         stack.call(runner.cleanup())
         stack.stop()
+
+
+def test_a_reload_while_a_request_waits_keeps_it_on_its_model(tmp_path):
+    """The pool is reordered while a request waits for its batch: it is still served by the
+    model it asked for, and no instance is left counting it afterwards."""
+    path = pool_config(tmp_path, batching={"mode": "window", "rules": [{"below": 1.01, "size": 32,
+                                                                         "window_ms": 1000.0}]})
+    stack = Stack(path)
+    try:
+        body = {"model": MODEL_3B, "messages": PROMPT, "max_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, stack.base_url + "/chat/completions", json=body, timeout=30)
+            wait_for(lambda: len(stack.gateway.scheduler.queue) == 1, what="the request to queue")
+            data = tomllib.loads(path.read_text())
+            data["instances"].reverse()  # every instance index now means another instance
+            path.write_text(dump_toml(data))
+            assert stack.gateway.reload("test")[0]
+            answer = waiting.result()
+        assert answer.status_code == 200, answer.text
+        served = stack.store.current.instance(answer.headers["X-Route-Instance"])
+        assert served.model == MODEL_3B and answer.json()["model"] == MODEL_3B
+        counted = stack.run(lambda: {n: len(s.in_flight) for n, s in stack.gateway.accounting.by_name.items()})
+        assert sum(counted.values()) == 0, counted
+    finally:
+        stack.stop()
