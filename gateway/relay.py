@@ -393,7 +393,7 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
                     failure = ApiError(504 if isinstance(e, TimeoutError) else 502,
                                        f"instance {instance.name} broke off the stream: {e.__class__.__name__}")
                     result.failed_status = failure.status
-                    await resp.write(b"data: " + orjson.dumps(failure.body()) + EVENT_END)
+                    await resp.write(_sse(failure.body()))
                     break
             await resp.write_eof()
         except ConnectionResetError:

@@ -35,17 +35,17 @@ class Pending:
     """A request waiting for its decision; also its key in the pool accounting.
 
     `model` is what the client asked for, so the candidates can be found again
-    if the config is reloaded while the request waits. Once decided, `config`
-    is the config whose instance indices the decision uses, and `accounted_on`
-    the instance the request is entered under in the accounting.
+    if the config is reloaded while the request waits. `config` is the config
+    whose instance indices the candidates (and, once decided, the decision)
+    use; `accounted_on` the instance the request is entered under in the
+    accounting.
     """
 
     request: RouteRequest
     model: str
     streaming: bool
     future: asyncio.Future = field(repr=False)
-    parsed_with: Config | None = field(default=None, repr=False)
-    config: Config | None = field(default=None, repr=False)
+    config: Config = field(repr=False)
     accounted_on: str | None = None
 
 
@@ -83,13 +83,13 @@ class Scheduler:
             await asyncio.gather(self.task, return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def decide(self, request: RouteRequest, model: str, streaming: bool, parsed_with: Config
+    async def decide(self, request: RouteRequest, model: str, streaming: bool, config: Config
                      ) -> tuple[Pending, Decision]:
         """Queue the request for the next batch and wait for its decision (429 if the queue is full).
 
         The caller must hand the returned Pending to `release` when the request ends."""
         loop = asyncio.get_running_loop()
-        pending = Pending(request, model, streaming, loop.create_future(), parsed_with)
+        pending = Pending(request, model, streaming, loop.create_future(), config)
         if not self.queue.push(pending, loop.time()):
             self.metrics.rejected.labels("queue_full").inc()
             raise ApiError(429, f"the gateway has {self.queue.max_queue} requests waiting to be scheduled; "
@@ -152,14 +152,14 @@ class Scheduler:
 
     def _current_candidates(self, cfg: Config, p: Pending) -> bool:
         """Re-resolve the candidates of a request parsed under another config; False if it failed."""
-        if p.parsed_with is cfg:
+        if p.config is cfg:
             return True
         try:
             p.request = dataclasses.replace(p.request, candidates=self.candidates_for(cfg, p.model))
         except ApiError as e:  # its model left the pool with the reload
             p.future.set_exception(e)
             return False
-        p.parsed_with = cfg
+        p.config = cfg
         return True
 
     async def _fire(self, cfg: Config, items) -> None:
@@ -183,7 +183,6 @@ class Scheduler:
                 continue
             m.batch_wait.observe(fired - arrived)
             m.decision_seconds.observe(now - arrived)
-            pending.config = cfg
             if outcome.ranked:
                 req, chosen = pending.request, cfg.instances[outcome.ranked[0]]
                 _observe_decision(m, req.policy, chosen.model, outcome)

@@ -95,7 +95,6 @@ class Gateway:
         self.store = store
         self.accounting = PoolAccounting()
         self.metrics = GatewayMetrics()
-        self.estimators = estimators
         self.scheduler = Scheduler(store, self.accounting, self.metrics, estimators, candidates_for)
         self.tokens = TokenCounter()
         self.session: aiohttp.ClientSession | None = None

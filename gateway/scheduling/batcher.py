@@ -66,12 +66,12 @@ class BatchQueue(Generic[T]):
                 self._items.remove(entry)
                 return
 
-    def oldest_wait(self, now: float) -> float:
-        return now - self._items[0][0] if self._items else 0.0
-
     def ready(self, limit: BatchLimit, now: float) -> bool:
-        """Window rule: a batch closes when full or when its first request has waited the window."""
-        return len(self._items) >= limit.size or (bool(self._items) and self.oldest_wait(now) >= limit.window_s)
+        """Window rule: a batch closes when full or when its first request has waited the window.
+
+        Judged against `closes_at` itself, so a caller that sleeps until then finds it
+        ready (arrival + window - arrival can round below the window)."""
+        return len(self._items) >= limit.size or (bool(self._items) and now >= self.closes_at(limit))
 
     def closes_at(self, limit: BatchLimit) -> float | None:
         """When the current batch's window ends (None if the queue is empty)."""

@@ -168,11 +168,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
         if mode == "eager":
             return max(busy_until, clock)
         # A window that closed while the worker was busy fires now, not in the past.
-        return max(busy_until, clock, due(window))
-
-    def due(limit) -> float:
-        """When the queued batch closes under `limit`: now if full, else when its window ends."""
-        return clock if len(queue) >= limit.size else queue.closes_at(limit)
+        return max(busy_until, clock, clock if len(queue) >= window.size else queue.closes_at(window))
 
     def fire(t: float) -> tuple[float, list[tuple[int, int, int]]]:
         rids = [rid for _, rid in queue.take(largest if mode == "eager" else window.size)]
@@ -238,7 +234,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
         else:
             if mode == "window":
                 window = current_limit(clock)
-                if due(window) > clock:
+                if not queue.ready(window, clock):
                     continue  # the rule now asks for a longer window: sleep on
             advance(clock)
             sync()
