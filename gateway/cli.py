@@ -1,4 +1,4 @@
-"""`routebalance` command line: serve | emulate | up | train | profile | bench."""
+"""`routebalance` command line: serve | emulate | up | train | profile | bench | sim | policies."""
 
 from __future__ import annotations
 
@@ -43,13 +43,11 @@ def load_estimators(cfg):
     requests that ask for a policy needing them then get a clear 503.
     """
     from gateway.estimators import ArtefactError
-    from gateway.estimators.build import ensure_built
     from gateway.estimators.bundle import Estimators
+    from gateway.scheduling.policies import registry
 
-    if not cfg.scheduler.policy.startswith("passthrough+"):
-        log.info("checking the estimator artefacts in %s (a first build takes about a minute)",
-                 cfg.estimators.models_dir)
-        ensure_built(cfg)
+    if registry.entry(cfg.scheduler.policy).needs_estimates:
+        return Estimators.built(cfg)
     try:
         return Estimators.load(cfg)
     except ArtefactError as e:
@@ -64,7 +62,7 @@ def workload_lengths(cfg):
     from gateway.emulator.outputs import OutputLengths
     from gateway.engine.profiles import arch_for
     from gateway.sim.evalset import EVAL_PROMPTS, label_lengths
-    from gateway.workload import generate
+    from gateway.workload.synthetic import generate
 
     records = generate(cfg.estimators.train_records + EVAL_PROMPTS, seed=cfg.estimators.seed)
     means = {i.model: arch_for(i.model).mean_output_tokens for i in cfg.instances}
@@ -133,6 +131,8 @@ async def run(args) -> int:
 
 
 def add_offline_commands(sub) -> None:
+    from gateway.scheduling.policies import registry
+
     config_help = "config TOML (default: the built-in 13-instance emulated pool)"
     p = sub.add_parser("train", help="build the estimator artefacts (index, labels, TPOT heads) and report accuracy")
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
@@ -152,14 +152,19 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--prompts", type=int, default=512, help="prompts timed per setting")
 
+    sub.add_parser("policies", help="list the registered routing policies (a Markdown table)")
+
     p = sub.add_parser("sim", help="simulate the gateway over the pool in virtual time: one cell, or a named sweep")
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
-    p.add_argument("--sweep", help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness")
+    p.add_argument("--sweep",
+                   help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness")
     p.add_argument("--requests", type=int, default=3500, help="held-out prompts per cell")
     p.add_argument("--workers", type=int, default=2, help="worker processes for a sweep")
     p.add_argument("--out", type=Path, default=Path("loadtest/results"), help="where a sweep writes CSV, JSON, PNG")
     p.add_argument("--workload", help="labelled JSONL whose held-out split is replayed (default: synthetic)")
-    p.add_argument("--policy", default="routebalance", help="one cell: routebalance or <router>+<dispatcher>")
+    p.add_argument("--policy", default="routebalance", choices=registry.names(), metavar="POLICY",
+                   help="one cell: a registered policy (" + "; ".join(f"{e.name}: {e.summary}" for e in
+                                                                         map(registry.entry, registry.names())) + ")")
     p.add_argument("--preset", default="uniform", help="one cell: RouteBalance preset from the config")
     p.add_argument("--rate", type=float, default=12.0, help="one cell: mean arrivals per second")
     p.add_argument("--arrivals", default="poisson", help="one cell: poisson, gamma or square")
@@ -186,7 +191,7 @@ def cmd_profile(args) -> int:
     from gateway.estimators.build import tier_lengths
     from gateway.estimators.profile import live_sweep
     from gateway.estimators.traces import write_traces
-    from gateway.workload import generate
+    from gateway.workload.synthetic import generate
 
     config = load_config(args.config)
     inst = config.instance(args.instance)
@@ -194,7 +199,8 @@ def cmd_profile(args) -> int:
     if not rates or any(r <= 0 for r in rates) or args.requests < 1:
         raise ValueError("--rates must be positive numbers and --requests at least 1")
     lengths = tier_lengths(generate(config.estimators.train_records, seed=config.estimators.seed), inst.model, 0)
-    rows = asyncio.run(live_sweep(inst.url, inst.model, inst.gpu, lengths, rates=rates, requests_per_rate=args.requests))
+    rows = asyncio.run(live_sweep(inst.url, inst.model, inst.gpu, lengths, rates=rates,
+                                  requests_per_rate=args.requests))
     out = args.out or Path(config.estimators.models_dir) / "traces" / f"{inst.name}.jsonl"
     write_traces(rows, out)
     print(f"{len(rows)} traces from {inst.name} at {rates} req/s -> {out}")
@@ -217,8 +223,9 @@ def cmd_sim(args) -> int:
     if args.requests < 1 or args.workers < 1:
         raise ValueError("--requests and --workers must be at least 1")
     if args.sweep:
-        from gateway.sim.plots import plot_sweep
+        from gateway.sim.plots import plot_sweep, require_matplotlib
 
+        require_matplotlib()  # before the sweep's minutes, not after
         if args.sweep not in SWEEPS:
             raise ValueError(f"unknown sweep {args.sweep!r} (known: {', '.join(SWEEPS)})")
         cells = SWEEPS[args.sweep](args.requests)
@@ -237,16 +244,15 @@ def cmd_sim(args) -> int:
     spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
                     ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
                     budget_share=args.budget_share)
-    label = args.preset if args.policy == "routebalance" else args.policy
-    row = run_sweep([Cell(args.policy.split("+")[0], label, spec)], str(args.config), args.requests, 1,
-                    args.workload)[0]
+    row = run_sweep([Cell(args.policy, args.preset, spec)], str(args.config), args.requests, 1, args.workload)[0]
     print(orjson.dumps(row, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
     return 0
 
 
 def format_rows(rows: list[dict]) -> str:
     """A compact text table of a sweep's main figures."""
-    head = f"{'system':<12} {'label':<38} {'req/s':>5} {'quality':>7} {'E2E':>7} {'p99':>7} {'thru':>6} {'cost':>9} {'resid':>6}"
+    head = (f"{'system':<12} {'label':<38} {'req/s':>5} {'quality':>7} {'E2E':>7} {'p99':>7} {'thru':>6} "
+            f"{'cost':>9} {'resid':>6}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['system']:<12} {r['label'][:38]:<38} {r['rate']:>5g} {r['quality']:>7.4f} "
@@ -255,11 +261,19 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim}
+def cmd_policies(args) -> int:
+    from gateway.scheduling.policies import registry
+
+    print(registry.table())
+    return 0
+
+
+OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim, "policies": cmd_policies}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="routebalance", description="Quality-, latency- and cost-aware gateway for vLLM pools")
+    parser = argparse.ArgumentParser(prog="routebalance",
+                                     description="Quality-, latency- and cost-aware gateway for vLLM pools")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     helps = {

@@ -17,7 +17,8 @@ class GatewayMetrics:
                                 ("route", "instance", "status"), registry=r)
         self.e2e = Histogram("routebalance_request_duration_seconds", "Client-side end-to-end latency",
                              ("route",), buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("routebalance_time_to_first_token_seconds", "Time to the first streamed byte of the answer",
+        self.ttft = Histogram("routebalance_time_to_first_token_seconds",
+                              "Time to the first streamed byte of the answer",
                               ("route",), buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("routebalance_in_flight_requests", "Requests being served now", registry=r)
         self.retries = Counter("routebalance_upstream_retries", "Requests retried on another instance",
@@ -51,7 +52,8 @@ class GatewayMetrics:
         self.predicted_latency = Histogram("routebalance_predicted_latency_seconds",
                                            "Predicted end-to-end latency on the chosen instance",
                                            buckets=LATENCY_BUCKETS, registry=r)
-        self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result", ("result",), registry=r)
+        self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
+                                      ("result",), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,12 +23,12 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest
+from gateway.api.sse import DONE, EVENT_END, SSE_HEADERS, json_event
 from gateway.scheduling.budget import per_token, predicted_cost, within_budget
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STREAM_HEADERS = {**SSE_HEADERS, "X-Accel-Buffering": "no"}  # and no buffering in a proxy in front
 # Compressed answers would have to be inflated to be costed and re-framed: ask for none.
 UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-EVENT_END = b"\n\n"
 MAX_EVENT_BYTES = 1 << 20  # an SSE event larger than this is a broken upstream, not an answer
 LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
 CLIENT_CLOSED = 499  # status recorded for a stream whose client left before the end (nginx's convention)
@@ -114,7 +114,8 @@ async def open_upstream(session: aiohttp.ClientSession, instance, path: str, pay
     try:
         resp = await session.post(instance.url + path, data=payload, timeout=timeout, headers=UPSTREAM_HEADERS)
     except aiohttp.ConnectionTimeoutError:
-        raise UpstreamFailed(502, f"instance {instance.name} is unreachable: connect timeout", unreachable=True) from None
+        raise UpstreamFailed(502, f"instance {instance.name} is unreachable: connect timeout",
+                             unreachable=True) from None
     except TimeoutError:  # it accepted the request and then took too long: do not pile it on another
         raise UpstreamFailed(504, f"instance {instance.name} did not answer in time", retry=False) from None
     except aiohttp.ClientConnectionError as e:  # refused, reset, disconnected: the transport failed
@@ -181,10 +182,6 @@ def _event_json(event: bytes) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _sse(data: dict) -> bytes:
-    return b"data: " + orjson.dumps(data) + EVENT_END
-
-
 def _rewrite_usage_events(block: bytes, instance, include_usage: bool, result: RelayResult) -> bytes:
     """Cost the events that carry usage; keep them (with cost_usd) only if the client asked."""
     out = []
@@ -194,7 +191,7 @@ def _rewrite_usage_events(block: bytes, instance, include_usage: bool, result: R
         if b'"usage":{' in event or b'"usage": {' in event:
             data = _event_json(event)
             if data is None:
-                out.append(event)
+                out.append(event + EVENT_END)
                 continue
             usage = data.get("usage")
             if isinstance(usage, dict):
@@ -203,9 +200,10 @@ def _rewrite_usage_events(block: bytes, instance, include_usage: bool, result: R
                     continue  # the usage-only chunk the client never asked for
                 if not include_usage:
                     data["usage"] = None
-                event = b"data: " + orjson.dumps(data)
-        out.append(event)
-    return EVENT_END.join(out) + EVENT_END if out else b""
+                out.append(json_event(data))
+                continue
+        out.append(event + EVENT_END)
+    return b"".join(out)
 
 
 def _has_output(choice) -> bool:
@@ -254,8 +252,9 @@ class _BudgetMeter:
                     record_usage(usage, self.instance, self.result)
                     if not self.include_usage:
                         continue
-                    event = b"data: " + orjson.dumps(data)
-                out.append(event)  # [DONE], error objects, comments: as they came
+                    out.append(json_event(data))
+                    continue
+                out.append(event + EVENT_END)  # [DONE], error objects, comments: as they came
                 continue
             self.head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
             if usage is not None:
@@ -266,7 +265,7 @@ class _BudgetMeter:
             if not within_budget(self._cost(prompt, completion), self.budget.budget_usd):
                 self.open.update(_index(c) for c in choices)  # withheld, so still open for the client
                 self._settle()
-                return b"".join(e + EVENT_END for e in out), True
+                return b"".join(out), True
             self.completion = completion
             for c in choices:
                 (self.open.discard if isinstance(c, dict) and c.get("finish_reason") else self.open.add)(_index(c))
@@ -276,9 +275,10 @@ class _BudgetMeter:
                     usage["cost_usd"] = self.result.cost_usd
                 else:
                     data["usage"] = None  # running usage the client never asked for
-                event = b"data: " + orjson.dumps(data)
-            out.append(event)
-        return b"".join(e + EVENT_END for e in out), False
+                out.append(json_event(data))
+            else:
+                out.append(event + EVENT_END)
+        return b"".join(out), False
 
     def _settle(self) -> None:
         self.result.prompt_tokens, self.result.completion_tokens = self.prompt, self.completion
@@ -292,12 +292,12 @@ class _BudgetMeter:
         ends = [{"index": i, **({"delta": {}} if chat else {"text": ""}), "logprobs": None, "finish_reason": "length"}
                 for i in sorted(self.open or {0})]
         marker = {"budget_exhausted": True, "budget_usd": self.budget.budget_usd, "cost_usd": self.result.cost_usd}
-        out = _sse({**self.head, "choices": ends, "routebalance": marker})
+        out = json_event({**self.head, "choices": ends, "routebalance": marker})
         if self.include_usage:
             usage = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
                      "total_tokens": self.prompt + self.completion, "cost_usd": self.result.cost_usd}
-            out += _sse({**self.head, "choices": [], "usage": usage})
-        return out + b"data: [DONE]" + EVENT_END
+            out += json_event({**self.head, "choices": [], "usage": usage})
+        return out + DONE
 
 
 def _delivered(block: bytes) -> bool:
@@ -369,7 +369,7 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
             raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}") from None
         if not first:
             raise UpstreamFailed(502, f"instance {instance.name} closed the stream without an event")
-        resp = web.StreamResponse(headers={**SSE_HEADERS, **route_headers(instance), **(headers or {})})
+        resp = web.StreamResponse(headers={**STREAM_HEADERS, **route_headers(instance), **(headers or {})})
         await resp.prepare(request)
         result.first_byte_s = loop.time()
         block = first
@@ -393,7 +393,7 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
                     failure = ApiError(504 if isinstance(e, TimeoutError) else 502,
                                        f"instance {instance.name} broke off the stream: {e.__class__.__name__}")
                     result.failed_status = failure.status
-                    await resp.write(_sse(failure.body()))
+                    await resp.write(json_event(failure.body()))
                     break
             await resp.write_eof()
         except ConnectionResetError:

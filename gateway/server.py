@@ -18,16 +18,25 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
-from gateway.config import POLICY_NAMES, Config, ConfigStore
+from gateway.config import Config, ConfigStore
 from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.relay import (RelayResult, StreamBudget, UpstreamFailed, asks_continuous_usage, client_error,
-                           open_upstream, relay_full, relay_stream, upstream_payload)
-from gateway.scheduler import Pending, Scheduler
-from gateway.scheduling.budget import clamp_max_tokens
-from gateway.scheduling.instance_view import PoolAccounting
-from gateway.scheduling.policy import Decision, RouteRequest
+from gateway.relay import (
+    RelayResult,
+    StreamBudget,
+    UpstreamFailed,
+    asks_continuous_usage,
+    client_error,
+    open_upstream,
+    relay_full,
+    relay_stream,
+    upstream_payload,
+)
+from gateway.scheduler import Scheduler, refusal_error
+from gateway.scheduling.ledger import PoolLedger
+from gateway.scheduling.policies import registry
+from gateway.scheduling.request import Completion, Decision, RouteRequest, Ticket
 from gateway.telemetry import scrape_forever
 from gateway.tokens import TokenCounter
 
@@ -40,6 +49,7 @@ class Attempt:
     """Where a request went and how it ended, for its metrics line."""
 
     instance: str = "none"
+    index: int | None = None  # the instance's index in the decision's config
     status: int = 500
     result: RelayResult = field(default_factory=RelayResult)
 
@@ -93,10 +103,10 @@ def resolve_weights(cfg: Config, routing) -> tuple[float, float, float]:
 class Gateway:
     def __init__(self, store: ConfigStore, estimators=None):
         self.store = store
-        self.accounting = PoolAccounting()
+        self.ledger = PoolLedger()
         self.metrics = GatewayMetrics()
-        self.scheduler = Scheduler(store, self.accounting, self.metrics, estimators, candidates_for)
-        self.tokens = TokenCounter()
+        self.scheduler = Scheduler(store, self.ledger, self.metrics, estimators, candidates_for)
+        self.token_counter = TokenCounter()
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         store.subscribe(self._on_config)
@@ -108,7 +118,7 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.scheduler.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.accounting))]
+        self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.ledger))]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -123,11 +133,11 @@ class Gateway:
         first requests do not pay for lazy loading (about half a second)."""
         cfg = self.store.current
         text = "warm up"
-        probe = RouteRequest(tuple(range(len(cfg.instances))), text, self.tokens.count(text), 1, (1.0, 0.0, 0.0))
-        view = self.accounting.snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)  # a copy: nothing is dispatched
-        [outcome], _ = self.scheduler.decide_now(cfg, [probe], view)
-        if isinstance(outcome, ApiError):  # e.g. the configured policy needs estimators that are not built
-            log.warning("warm-up decision failed: %s", outcome)
+        probe = RouteRequest(tuple(range(len(cfg.instances))), text, self.token_counter.count(text), 1, (1.0, 0.0, 0.0),
+                             policy=cfg.scheduler.policy)
+        refused = self.scheduler.warm_up(probe)
+        if refused:  # e.g. the configured policy needs estimators that are not built
+            log.warning("warm-up decision failed: %s", refused.message)
 
     def _on_config(self, cfg: Config) -> None:
         log.info("config reloaded: %d instances, policy %s", len(cfg.instances), cfg.scheduler.policy)
@@ -157,25 +167,29 @@ class Gateway:
         try:
             raw = await read_body(request, cfg.server.max_body_bytes)
             req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
-                                   policies=POLICY_NAMES)
+                                   policies=registry.names())
             routed = RouteRequest(
                 candidates=candidates_for(cfg, req.model),
                 prompt_text=req.prompt_text,
-                input_tokens=self.tokens.count_chat(req.body["messages"]) if req.chat else self.tokens.count(req.prompt_text),
+                input_tokens=(self.token_counter.count_chat(req.body["messages"]) if req.chat
+                              else self.token_counter.count(req.prompt_text)),
                 max_tokens=req.max_tokens,
                 weights=resolve_weights(cfg, req.routing),
                 budget_usd=req.routing.budget_usd,
                 policy=req.routing.policy or cfg.scheduler.policy,
             )
-            pending, decision = await self.scheduler.decide(routed, req.model, req.stream, cfg)
+            ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg)
+            decision = ticket.decision
             if decision.refused:
-                self.metrics.rejected.labels("budget").inc()
-                raise ApiError(402, decision.refused, "routing.budget_usd", "insufficient_budget")
-            cfg = pending.config  # the decision's instance indices are this config's
+                self.metrics.rejected.labels(decision.refused.reason).inc()
+                raise refusal_error(decision.refused)
+            cfg = ticket.config  # the decision's instance indices are this config's
+            resp = None
             try:
-                resp = await self._dispatch(request, cfg, req, pending, decision, route, attempt)
+                resp = await self._dispatch(request, cfg, req, ticket, route, attempt)
             finally:
-                self.scheduler.release(pending)
+                ok = resp is not None and resp.status < 400 and not attempt.result.failed_status
+                self.scheduler.complete(ticket, Completion(ok, attempt.index, attempt.result.completion_tokens))
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
@@ -199,57 +213,62 @@ class Gateway:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
 
-    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, pending: Pending, decision: Decision,
-                        route: str, attempt: Attempt):
+    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, ticket: Ticket, route: str,
+                        attempt: Attempt):
         """Send the request to its instance; before the first byte, retry on the next-ranked ones."""
         loop = asyncio.get_running_loop()
+        core = self.scheduler.core
         up = cfg.upstream
         # A non-streamed answer sends nothing until it is complete, so only the
         # total timeout can bound it; a stream must keep bytes coming.
         timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, sock_connect=up.connect_timeout_s,
                                         sock_read=up.read_timeout_s if req.stream else None)
-        routed = pending.request
+        routed, decision = ticket.request, ticket.decision
         failure: UpstreamFailed | None = None
         attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
-        for idx in decision.ranked:
+        started = False
+
+        def on_progress(tokens: int) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                core.first_token(ticket, loop.time())
+            core.progress(ticket, tokens)
+
+        for plan in core.plans(ticket, loop.time()):
             if failed > up.retries:
                 break
-            instance = cfg.instances[idx]
-            max_tokens = routed.max_tokens
+            instance = cfg.instances[plan.instance]
             budget = None
             if routed.budget_usd is not None:
                 budget = StreamBudget.for_instance(routed.budget_usd, instance, routed.input_tokens)
-                max_tokens = clamp_max_tokens(routed.budget_usd, routed.input_tokens, budget.price_in,
-                                              budget.price_out, routed.max_tokens)
-                if max_tokens is None:
-                    continue  # this instance's prices leave nothing for an answer: try the next
-                if max_tokens != routed.max_tokens:
-                    self.metrics.budget_clamps.inc()
-            self.scheduler.move(pending, instance, decision.tokens or 0.0, loop.time())
+            if plan.clamped:
+                self.metrics.budget_clamps.inc()
+            core.dispatched(ticket, plan, loop.time())
             if attempts:
                 self.metrics.retries.labels(instance.name).inc()
             attempts += 1
-            attempt.instance = instance.name
-            headers = decision_headers(decision, max_tokens if max_tokens != routed.max_tokens else None)
+            attempt.instance, attempt.index = instance.name, plan.instance
+            headers = decision_headers(decision, plan.max_tokens if plan.clamped else None)
             try:
-                payload = upstream_payload(req, instance, max_tokens, continuous_usage=budget is not None)
+                payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None)
                 upstream = await open_upstream(self.session, instance, ROUTES[route], payload, timeout)
-                self.accounting.mark_up(instance.name)
+                self.ledger.mark_up(instance.name)
                 if upstream.status >= 400:
                     raise await client_error(upstream)
                 if req.stream:
-                    progress = self.accounting.of(instance.name)
                     return await relay_stream(request, upstream, instance, req.include_usage, attempt.result,
                                               budget=budget, continuous_usage=asks_continuous_usage(req),
-                                              headers=headers, on_progress=lambda n: progress.streamed(pending, n))
+                                              headers=headers, on_progress=on_progress)
                 resp = await relay_full(upstream, instance, attempt.result)
+                on_progress(attempt.result.completion_tokens)
                 resp.headers.update(headers)
                 return resp
             except UpstreamFailed as e:
                 failure = e
                 log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
                 if e.unreachable:  # the request never reached it: trying the next costs no retry
-                    self.accounting.mark_down(instance.name, loop.time())
+                    self.ledger.mark_down(instance.name, loop.time())
                     continue
                 failed += 1
                 if not e.retry:
@@ -262,7 +281,8 @@ class Gateway:
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.store.current
         created = int(time.time())
-        data = [{"id": a, "object": "model", "created": created, "owned_by": "routebalance"} for a in cfg.server.aliases]
+        data = [{"id": a, "object": "model", "created": created, "owned_by": "routebalance"}
+                for a in cfg.server.aliases]
         data += [{"id": m, "object": "model", "created": created, "owned_by": "vllm"} for m in cfg.models()]
         return _json({"object": "list", "data": data})
 

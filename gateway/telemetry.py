@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
+
 log = logging.getLogger("routebalance.telemetry")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    running: float
-    waiting: float
-    kv_usage: float  # 0..1, the mean over ranks
-    generation_tokens: float  # cumulative counter
-    prompt_tokens: float
 
 
 _GAUGES = {
@@ -86,11 +78,11 @@ async def scrape_once(session: aiohttp.ClientSession, url: str, timeout: aiohttp
         return parse_vllm_metrics(await resp.text())
 
 
-async def scrape_forever(session: aiohttp.ClientSession, store, accounting) -> None:
-    """Scrape every instance of the current config each interval, concurrently, into `accounting`.
+async def scrape_forever(session: aiohttp.ClientSession, store, ledger: PoolLedger) -> None:
+    """Scrape every instance of the current config each interval, concurrently, into the `ledger`.
 
     A failed scrape leaves the last reading to go stale (the scheduler then
-    relies on its own accounting); an instance that refuses connections is
+    relies on its own accounting of what it dispatched); an instance that refuses connections is
     also marked down, as a failed dispatch would.
     """
     loop = asyncio.get_running_loop()
@@ -101,14 +93,14 @@ async def scrape_forever(session: aiohttp.ClientSession, store, accounting) -> N
             snap = await scrape_once(session, inst.url, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             if isinstance(e, aiohttp.ClientConnectionError) and not isinstance(e, aiohttp.ServerTimeoutError):
-                accounting.mark_down(inst.name, loop.time())
+                ledger.mark_down(inst.name, loop.time())
             if inst.name not in failing:
                 log.warning("scraping %s failed: %s", inst.name, e.__class__.__name__)
                 failing.add(inst.name)
             return
         failing.discard(inst.name)
-        accounting.mark_up(inst.name)
-        accounting.of(inst.name).scraped(snap, loop.time())
+        ledger.mark_up(inst.name)
+        ledger.of(inst.name).scraped(snap, loop.time())
 
     while True:
         cfg = store.current

@@ -6,9 +6,9 @@ text; a chat is counted as the string Qwen2.5's chat template makes of it. The
 gateway's pre-dispatch count and the emulator's `usage` use this one counter,
 so they agree.
 
-Without the package the counter estimates: about four characters a token (the
-rule the synthetic workload is built on), plus the template's exact overhead.
-`TokenCounter.exact` says which is in use.
+Without the package the counter estimates: about four characters a token
+(`estimate_tokens`, the rule the synthetic workload is built on), plus the
+template's exact overhead. `TokenCounter.exact` says which is in use.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 
-CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4  # the estimate without a tokenizer (English text)
 TOKENIZER_MODEL = "Qwen/Qwen2.5-7B-Instruct"  # every Qwen2.5 size shares one tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -32,6 +32,11 @@ TEMPLATE_ROLES = ("user", "system", "assistant", "tool")  # the template drops a
 DEFAULT_SYSTEM_TOKENS = 21
 MESSAGE_TOKENS = 5
 GENERATION_PROMPT_TOKENS = 3
+
+
+def estimate_tokens(text: str) -> int:
+    """Token count of English text without a tokenizer: about four characters a token."""
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
 @functools.cache
@@ -115,7 +120,7 @@ class TokenCounter:
     def count(self, text: str) -> int:
         if self._encode is not None:
             return len(self._encode(text))
-        return math.ceil(len(text) / CHARS_PER_TOKEN)
+        return estimate_tokens(text)
 
     def count_chat(self, messages: Sequence) -> int:
         """Tokens of the prompt the chat template makes, generation prompt included."""
@@ -123,7 +128,7 @@ class TokenCounter:
             return len(self._encode(render_chat(messages)))
         # The template's own tokens are known; only the text is guessed.
         kept = [m for m in messages if isinstance(m, dict) and m.get("role") in TEMPLATE_ROLES]
-        text = sum(math.ceil(len(content_text(m.get("content")) + _tool_calls_text(m.get("tool_calls")))
-                             / CHARS_PER_TOKEN) for m in kept)
+        text = sum(estimate_tokens(content_text(m.get("content")) + _tool_calls_text(m.get("tool_calls")))
+                   for m in kept)
         head = 0 if _has_system_first(messages) else DEFAULT_SYSTEM_TOKENS
         return head + MESSAGE_TOKENS * len(kept) + text + GENERATION_PROMPT_TOKENS

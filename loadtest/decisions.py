@@ -62,7 +62,8 @@ def report(text: str) -> str:
         if not count:
             continue
         scale, unit = (1000, " ms") if per_batch else (1, "")
-        lines.append(f"{label:<36} mean {scale * total / count:7.2f}{unit}   p50 <= {scale * quantile(buckets, count, 0.5):g}{unit}"
+        lines.append(f"{label:<36} mean {scale * total / count:7.2f}{unit}"
+                     f"   p50 <= {scale * quantile(buckets, count, 0.5):g}{unit}"
                      f"   p99 <= {scale * quantile(buckets, count, 0.99):g}{unit}   ({count:.0f} observations)")
     return "\n".join(lines)
 

@@ -22,7 +22,8 @@ import orjson
 from locust import FastHttpUser, events, task
 from locust.exception import StopUser
 
-from gateway.workload import generate, split
+from gateway.workload import split
+from gateway.workload.synthetic import generate
 
 # Held-out prompts of the synthetic labelled workload: the emulator answers them
 # at their labelled lengths and the estimators never saw them in training.

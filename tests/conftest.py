@@ -23,10 +23,19 @@ from gateway.estimators.bundle import Estimators
 RECORDS = 800  # a small synthetic training set: the whole suite shares one build of it
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port() already returned in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one this process was already given (the OS may hand
+    a just-closed port 0 binding out again, and two instances on one port is a duplicate url)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:

@@ -8,18 +8,20 @@ import numpy as np
 import pytest
 
 from gateway.config import default_config_path, load_config
-from gateway.scheduling.assign import ScoreOptions, admit, assign_batch, eq1_scores, expected_latency, lpt_order
+from gateway.scheduling.assign import RouteBalanceOptions, assign_batch, budget_filter, lpt_order
 from gateway.scheduling.budget import predicted_cost
-from gateway.scheduling.instance_view import PoolAccounting
-from gateway.scheduling.policy import Estimates, RouteRequest
-from gateway.workload import generate, split
+from gateway.scheduling.ledger import PoolLedger
+from gateway.scheduling.request import Estimates, RouteRequest
+from gateway.scheduling.scoring import eq1, expected_latency
+from gateway.workload import split
+from gateway.workload.synthetic import generate
 
 CFG = load_config(default_config_path())
 UNIFORM = (1 / 3, 1 / 3, 1 / 3)
 
 
 def idle_view(cfg=CFG):
-    return PoolAccounting().snapshot(cfg.instances, now=0.0, stale_after_s=3.0)
+    return PoolLedger().snapshot(cfg.instances, now=0.0, stale_after_s=3.0)
 
 
 def request(candidates=None, weights=UNIFORM, budget=None, input_tokens=100, text="x"):
@@ -39,11 +41,11 @@ MODELS = {m.split("-")[1].lower(): m for m in CFG.models()}  # "3b" -> "Qwen/Qwe
 
 def test_eq1_against_a_hand_computed_case():
     # weights are (quality, latency, cost)
-    scores = eq1_scores((0.5, 0.25, 0.25), np.array([0.4, 0.6]), np.array([1.0, 4.0]), np.array([2.0, 1.0]))
+    scores = eq1((0.5, 0.25, 0.25), np.array([0.4, 0.6]), np.array([1.0, 4.0]), np.array([2.0, 1.0]))
     # 0.5*0.4 + 0.25*(1 - 1/4) + 0.25*(1 - 2/2) = 0.3875; 0.5*0.6 + 0.25*(1 - 4/4) + 0.25*(1 - 1/2) = 0.425
     assert scores == pytest.approx([0.3875, 0.425])
     # A term whose maximum is 0 scores the same for everyone instead of dividing by zero.
-    assert eq1_scores((0.0, 0.0, 1.0), np.array([0.1, 0.9]), np.zeros(2), np.ones(2)) == pytest.approx([1.0, 1.0])
+    assert eq1((0.0, 0.0, 1.0), np.array([0.1, 0.9]), np.zeros(2), np.ones(2)) == pytest.approx([1.0, 1.0])
 
 
 def test_eq2_costs_and_the_budget_filter():
@@ -51,16 +53,16 @@ def test_eq2_costs_and_the_budget_filter():
     cost = predicted_cost(1000, np.array([200.0, 50.0]), price_in, price_out)
     # 3B: 1000*0.06e-6 + 200*0.06e-6 = 7.2e-5; 72B: 1000*0.38e-6 + 50*0.40e-6 = 4.0e-4
     assert cost == pytest.approx([7.2e-5, 4.0e-4])
-    keep, fallback = admit(1e-4, 1000, cost, price_in, price_out, use_filter=True)
+    keep, fallback = budget_filter(1e-4, 1000, cost, price_in, price_out, use_filter=True)
     assert keep.tolist() == [True, False] and fallback is None
     # Nothing fits, but the 3B can pay for the prompt: it serves, cheapest first.
-    keep, fallback = admit(6.5e-5, 1000, cost, price_in, price_out, use_filter=True)
+    keep, fallback = budget_filter(6.5e-5, 1000, cost, price_in, price_out, use_filter=True)
     assert not keep.any() and fallback.tolist() == [0]
     # Not even the prompt can be paid: refused (no fallback).
-    keep, fallback = admit(5e-5, 1000, cost, price_in, price_out, use_filter=True)
+    keep, fallback = budget_filter(5e-5, 1000, cost, price_in, price_out, use_filter=True)
     assert not keep.any() and fallback is None
     # With the filter off every candidate that can pay the prompt stays (the clamp does the rest).
-    keep, _ = admit(4.0e-4, 1000, cost, price_in, price_out, use_filter=False)
+    keep, _ = budget_filter(4.0e-4, 1000, cost, price_in, price_out, use_filter=False)
     assert keep.tolist() == [True, True]
 
 
@@ -87,7 +89,7 @@ def test_dead_reckoning_spreads_a_burst_over_a_tier(latency_term):
     def heads(tier, rows):  # a head whose TPOT grows with the requests already on the instance
         return 0.02 * (1 + 0.05 * rows[:, 4])
 
-    decisions = assign_batch(batch, est, idle_view(), ScoreOptions(latency_term=latency_term),
+    decisions = assign_batch(batch, est, idle_view(), RouteBalanceOptions(latency_term=latency_term),
                              heads if latency_term == "heads" else None)
     per_instance = Counter(d.ranked[0] for d in decisions)
     assert set(per_instance) == set(sevens)
@@ -98,23 +100,24 @@ def test_budget_falls_back_to_the_cheapest_or_refuses():
     est = flat_estimates(3, {MODELS["3b"]: 0.3, MODELS["7b"]: 0.35, MODELS["14b"]: 0.4, MODELS["72b"]: 0.45},
                          {m: 200.0 for m in CFG.models()})
     batch = [request(budget=1.0), request(budget=2e-5, input_tokens=100), request(budget=1e-6, input_tokens=100)]
-    roomy, tight, broke = assign_batch(batch, est, idle_view(), ScoreOptions(), None)
+    roomy, tight, broke = assign_batch(batch, est, idle_view(), RouteBalanceOptions(), None)
     assert roomy.refused is None and roomy.cost_usd <= 1.0
     # 100 in + 200 out on 3B is 1.8e-5: the 3B fits and nothing else does.
     assert CFG.instances[tight.ranked[0]].model == MODELS["3b"] and tight.cost_usd <= 2e-5
     assert all(CFG.instances[i].model == MODELS["3b"] for i in tight.ranked)
-    assert broke.ranked == () and "cannot pay" in broke.refused
+    assert broke.ranked == () and "cannot pay" in broke.refused.message and broke.refused.status == 402
 
 
 def test_losing_a_tier_routes_everything_to_the_rest():
-    acct = PoolAccounting()
+    acct = PoolLedger()
     for inst in CFG.instances:
         if inst.model == MODELS["72b"]:
             acct.mark_down(inst.name, now=0.0)
     view = acct.snapshot(CFG.instances, now=0.5, stale_after_s=3.0)
     quality = {m: 0.3 for m in CFG.models()} | {MODELS["72b"]: 0.9}  # everyone would want the 72B
     est = flat_estimates(20, quality, {m: 100.0 for m in CFG.models()})
-    decisions = assign_batch([request(weights=(0.8, 0.1, 0.1)) for _ in range(20)], est, view, ScoreOptions(), None)
+    decisions = assign_batch([request(weights=(0.8, 0.1, 0.1)) for _ in range(20)], est, view,
+                             RouteBalanceOptions(), None)
     assert all(CFG.instances[d.ranked[0]].model != MODELS["72b"] for d in decisions)
 
 
@@ -129,7 +132,7 @@ def tier_mix(estimators, preset: str, n: int = 96) -> Counter:
         batch = [request(weights=(w.quality, w.latency, w.cost), text=p) for p in prompts[start:start + 16]]
         rows = slice(start, start + 16)
         sub = Estimates(est.quality[rows], est.length[rows])
-        for d in assign_batch(batch, sub, view, ScoreOptions(), estimators.heads.tpot):
+        for d in assign_batch(batch, sub, view, RouteBalanceOptions(), estimators.heads.tpot):
             mix[CFG.instances[d.ranked[0]].model] += 1
     return mix
 

@@ -14,8 +14,8 @@ import orjson
 import pytest
 import uvloop
 from aiohttp import web
-from conftest import free_port
 
+from conftest import free_port
 from gateway.api.parse import CompletionRequest, RoutingOptions
 from gateway.config import default_config_path, load_config
 from gateway.emulator.server import EmulatedPool
@@ -78,7 +78,8 @@ def test_upstream_payload_sets_the_clamp_in_the_field_the_client_used():
     base = {"model": "auto", "messages": MESSAGES, "stream": True}
     for given, field in (({}, "max_tokens"), ({"max_tokens": 900}, "max_tokens"),
                          ({"max_completion_tokens": 900}, "max_completion_tokens")):
-        sent = orjson.loads(upstream_payload(make_request({**base, **given}), inst, max_tokens=37, continuous_usage=True))
+        sent = orjson.loads(upstream_payload(make_request({**base, **given}), inst, max_tokens=37,
+                                             continuous_usage=True))
         other = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
         assert sent[field] == 37 and other not in sent and sent["model"] == MODEL
         assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
@@ -191,7 +192,7 @@ def budget_stack():
         gw.router.add_post("/v1/chat/completions", mini_gateway)
         gw_state["session"] = aiohttp.ClientSession()
         runners = [web.AppRunner(stub), web.AppRunner(gw)]
-        for runner, port in zip(runners, (stub_port, gw_port)):
+        for runner, port in zip(runners, (stub_port, gw_port), strict=True):
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
         return runners

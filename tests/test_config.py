@@ -87,6 +87,31 @@ def test_default_file_spells_out_the_code_defaults():
     implied = parse_config({"instances": [minimal_instance()]})
     for section in ("server", "upstream", "scheduler", "batching", "telemetry", "emulator"):
         assert getattr(written, section) == getattr(implied, section), section
+    assert set(written.policies) == {"routebalance", "pipeline"}
+    for table in written.policies:
+        assert written.options(table) == implied.options(table), table
+
+
+def test_policy_tables_are_checked_by_their_policy_and_moved_keys_say_where():
+    data = default_data()
+    data["policies"]["routebalance"]["latency_term"] = "fast"
+    err = error_of(data)
+    assert err.key == "policies.routebalance.latency_term" and "'heads'" in err.reason
+    data = default_data()
+    data["policies"]["pipeline"]["best_route_threshold"] = -1
+    assert error_of(data).key == "policies.pipeline.best_route_threshold"
+    data = default_data()
+    data["policies"]["nobody"] = {"x": 1}
+    err = error_of(data)
+    assert err.key == "policies.nobody" and "routebalance" in err.reason and "pipeline" in err.reason
+    data = default_data()
+    data["scheduler"]["lpt"] = False  # where it lived before the registry
+    err = error_of(data)
+    assert err.key == "scheduler.lpt" and "[policies.routebalance]" in err.reason
+    cfg = load_config(default_config_path())
+    changed = cfg.with_options("routebalance", lpt=False)
+    assert not changed.options("routebalance").lpt and cfg.options("routebalance").lpt
+    assert changed.options("pipeline") == cfg.options("pipeline")
 
 
 def test_presets_are_normalised_and_helpers_work():

@@ -138,7 +138,7 @@ def test_sub_batch_plan_groups_similar_lengths_and_covers_every_prompt():
     lengths = np.array([10, 11, 12, 12, 200, 205, 210, 400])
     spans = plan_sub_batches(lengths, max_size=4)
     assert spans[0][0] == 0 and spans[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no gaps or overlaps
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # contiguous, no gaps or overlaps
     assert all(0 < stop - start <= 4 for start, stop in spans)
     # the short ones share a call; nothing short is padded to a long one
     assert (0, 4) in spans and all(lengths[start] > 100 for start, _ in spans[1:])

@@ -36,7 +36,8 @@ def running_on(stack, model: str) -> float:
 def test_metrics_page_parses_and_counts_a_request(stack):
     inst = stack.store.current.instances[-1]
     before = vllm_metrics(inst.url)
-    r = httpx.post(inst.url + "/v1/completions", json={"model": inst.model, "prompt": "hello world", "max_tokens": 4}, timeout=10)
+    r = httpx.post(inst.url + "/v1/completions", json={"model": inst.model, "prompt": "hello world", "max_tokens": 4},
+                   timeout=10)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     after = vllm_metrics(inst.url)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -102,12 +103,14 @@ def test_error_rate_fault_fails_directly_and_the_gateway_retries(stack):
     target = cfg.instances[-1]
     stack.call(stack.pool.set_faults(target.name, error_rate=1.0))
     try:
-        r = httpx.post(target.url + "/v1/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1}, timeout=5)
+        r = httpx.post(target.url + "/v1/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1},
+                       timeout=5)
         assert r.status_code == 500
         # Through the gateway, the model's other instances answer instead.
         with httpx.Client(timeout=30) as http:
             for _ in range(6):
-                r = http.post(stack.base_url + "/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1})
+                r = http.post(stack.base_url + "/completions",
+                              json={"model": target.model, "prompt": "x", "max_tokens": 1})
                 assert r.status_code == 200 and r.headers["X-Route-Instance"] != target.name
     finally:
         stack.call(stack.pool.set_faults(target.name, error_rate=0.0))
@@ -115,13 +118,14 @@ def test_error_rate_fault_fails_directly_and_the_gateway_retries(stack):
 
 def test_added_latency_fault_delays_the_answer(stack):
     target = stack.store.current.instances[-2]
-    stack.call(stack.pool.set_faults(target.name, added_latency_s=0.3))
+    stack.call(stack.pool.set_faults(target.name, added_latency_ms=300))
     try:
         start = time.monotonic()
-        r = httpx.post(target.url + "/v1/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1}, timeout=5)
+        r = httpx.post(target.url + "/v1/completions", json={"model": target.model, "prompt": "x", "max_tokens": 1},
+                       timeout=5)
         assert r.status_code == 200 and time.monotonic() - start >= 0.3
     finally:
-        stack.call(stack.pool.set_faults(target.name, added_latency_s=0.0))
+        stack.call(stack.pool.set_faults(target.name, added_latency_ms=0))
 
 
 def test_whole_model_down_is_a_502_with_an_openai_error(stack):

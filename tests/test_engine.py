@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 
 from gateway.config import default_config_path, load_config
-from gateway.engine.calibration import round_robin_mean_e2e
+from gateway.emulator.calibration import round_robin_mean_e2e
 from gateway.engine.engine import Engine
 from gateway.engine.profiles import spec_for_instance as spec_of
-
 
 TIERS = {}
 for _inst in load_config(default_config_path()).instances:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
 import pytest
 
-from gateway.estimators import ArtefactError
-from gateway.estimators.build import ensure_built, format_report
-from gateway.estimators.bundle import Estimators
-from gateway.workload import generate, split
 from conftest import RECORDS, small_config
+from gateway.estimators import ArtefactError
+from gateway.estimators.build import _covers, ensure_built, format_report, inputs_from_config
+from gateway.estimators.bundle import Estimators
+from gateway.workload import MAX_OUTPUT_TOKENS, split
+from gateway.workload.synthetic import generate
+
 
 def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
     cfg, manifest, _ = built
@@ -29,6 +32,14 @@ def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
 def test_ensure_built_reuses_current_artefacts(built):
     cfg, manifest, _ = built
     assert ensure_built(cfg)["built_at"] == manifest["built_at"]
+    # A pool that dropped a tier is still served by the build; one with a tier it lacks is not.
+    fewer = dataclasses.replace(cfg, instances=tuple(i for i in cfg.instances if "72B" not in i.model))
+    assert ensure_built(fewer)["built_at"] == manifest["built_at"]
+    wanted = inputs_from_config(cfg).fingerprint()
+    faster = dataclasses.replace(cfg, instances=tuple(dataclasses.replace(i, tpot_prior_ms=i.tpot_prior_ms / 2)
+                                                      for i in cfg.instances))
+    assert not _covers(wanted, inputs_from_config(faster).fingerprint())
+    assert _covers(wanted, inputs_from_config(fewer).fingerprint())
 
 
 def test_identical_prompts_get_identical_estimates_and_batch_matches_single(built):
@@ -41,7 +52,7 @@ def test_identical_prompts_get_identical_estimates_and_batch_matches_single(buil
         assert np.allclose(single.quality[0], batch.quality[i], atol=1e-5)
         assert np.allclose(single.length[0], batch.length[i], atol=1e-3)
     assert batch.quality.shape == (13, 4) and np.all((batch.quality >= 0) & (batch.quality <= 1))
-    assert np.all(batch.length_p90 >= batch.length * 0.5)
+    assert np.all((batch.length >= 1) & (batch.length <= MAX_OUTPUT_TOKENS))
 
 
 def test_a_prompt_on_top_of_a_labelled_neighbour_gets_its_labels(built):

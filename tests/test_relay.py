@@ -57,7 +57,7 @@ def gateway_over_fakes(tmp_path_factory):
     template = next(i for i in data["instances"] if i["model"] == MODEL)
     ports = [free_port(), free_port()]
     data["instances"] = [{**template, "name": f"fake-{n}", "url": f"http://127.0.0.1:{p}"}
-                         for n, p in zip(("broken", "crlf"), ports)]
+                         for n, p in zip(("broken", "crlf"), ports, strict=True)]
     data["server"]["port"] = free_port()
     data["scheduler"]["policy"] = "passthrough+round_robin"  # these tests are about the relay, not routing
     path = tmp_path_factory.mktemp("fakes") / "config.toml"
@@ -66,7 +66,7 @@ def gateway_over_fakes(tmp_path_factory):
     runners = [fake_upstream(headers_then_close, ports[0]), fake_upstream(crlf_stream, ports[1])]
 
     async def start():
-        for runner, port in zip(runners, ports):
+        for runner, port in zip(runners, ports, strict=True):
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
 

@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from conftest import Stack, dump_toml, free_port, pool_config, wait_for
-from gateway.config import POLICY_NAMES, default_config_path
+from gateway.config import default_config_path
+from gateway.scheduling.policies import registry
 from gateway.tokens import TokenCounter
 
 MODEL_3B, MODEL_72B = "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-72B-Instruct"
@@ -81,7 +82,7 @@ def test_a_budget_for_a_short_answer_clamps_it(client, stack):
 
 def test_every_pipeline_baseline_routes(stack):
     with httpx.Client(timeout=60) as http:
-        for policy in POLICY_NAMES:
+        for policy in registry.names():
             r = http.post(stack.base_url + "/chat/completions", headers={"X-Route-Policy": policy},
                           json={"model": "auto", "messages": PROMPT, "max_tokens": 2})
             assert r.status_code == 200, (policy, r.text)
@@ -131,7 +132,7 @@ def test_a_full_queue_answers_429(tmp_path):
         body = {"model": "auto", "messages": PROMPT, "max_tokens": 2}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, stack.base_url + "/chat/completions", json=body, timeout=30)
-            wait_for(lambda: len(stack.gateway.scheduler.queue) == 1, what="the first request to queue")
+            wait_for(lambda: len(stack.gateway.scheduler.core.queue) == 1, what="the first request to queue")
             second = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=30)
             assert second.status_code == 429 and second.headers["Retry-After"]
             assert second.json()["error"]["type"] == "rate_limit_error"
@@ -219,7 +220,7 @@ def test_a_reload_while_a_request_waits_keeps_it_on_its_model(tmp_path):
         body = {"model": MODEL_3B, "messages": PROMPT, "max_tokens": 2}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, stack.base_url + "/chat/completions", json=body, timeout=30)
-            wait_for(lambda: len(stack.gateway.scheduler.queue) == 1, what="the request to queue")
+            wait_for(lambda: len(stack.gateway.scheduler.core.queue) == 1, what="the request to queue")
             data = tomllib.loads(path.read_text())
             data["instances"].reverse()  # every instance index now means another instance
             path.write_text(dump_toml(data))
@@ -228,7 +229,7 @@ def test_a_reload_while_a_request_waits_keeps_it_on_its_model(tmp_path):
         assert answer.status_code == 200, answer.text
         served = stack.store.current.instance(answer.headers["X-Route-Instance"])
         assert served.model == MODEL_3B and answer.json()["model"] == MODEL_3B
-        counted = stack.run(lambda: {n: len(s.in_flight) for n, s in stack.gateway.accounting.by_name.items()})
+        counted = stack.run(lambda: {n: len(s.in_flight) for n, s in stack.gateway.ledger.by_name.items()})
         assert sum(counted.values()) == 0, counted
     finally:
         stack.stop()

@@ -16,7 +16,8 @@ from gateway.tokens import (
 )
 
 SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-CODE_TASK = 'Write a function to reverse each string in a list.\nYour code should pass this test:\nassert rev(["ab"]) == ["ba"]'
+CODE_TASK = ('Write a function to reverse each string in a list.\nYour code should pass this test:\n'
+             'assert rev(["ab"]) == ["ba"]')
 # transformers' apply_chat_template(add_generation_prompt=True) of [user: CODE_TASK] for Qwen2.5-Coder-0.5B-Instruct,
 # which shares Qwen2.5's tokenizer (a reference from a public test suite).
 CODE_TASK_IDS = [

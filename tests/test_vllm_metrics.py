@@ -6,7 +6,6 @@ import math
 import time
 
 import pytest
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.emulator.vllm_metrics import (
@@ -161,7 +160,8 @@ def test_bucket_boundaries_match_vllm():
         "vllm:request_decode_time_seconds",
     ):
         assert [float(x) for x in le_strings(fams, name)[:-1]] == list(REQUEST_LATENCY_BUCKETS)
-    assert len(REQUEST_LATENCY_BUCKETS) == 21 and REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
+    assert (len(REQUEST_LATENCY_BUCKETS) == 21 and REQUEST_LATENCY_BUCKETS[0] == 0.3
+            and REQUEST_LATENCY_BUCKETS[-1] == 7680.0)
     tok = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     assert build_1_2_5_buckets(4096) == tok
     for name in (
@@ -300,8 +300,10 @@ def test_fast_path_matches_public_observe():
         slow.observe(0.07)
     fams = {f.name: f for f in text_string_to_metric_families(
         __import__("prometheus_client").generate_latest(reg).decode())}
-    got = {(s.name[1:], tuple(sorted(s.labels.items()))): s.value for s in fams["a"].samples if "created" not in s.name}
-    want = {(s.name[1:], tuple(sorted(s.labels.items()))): s.value for s in fams["b"].samples if "created" not in s.name}
+    got = {(s.name[1:], tuple(sorted(s.labels.items()))): s.value
+           for s in fams["a"].samples if "created" not in s.name}
+    want = {(s.name[1:], tuple(sorted(s.labels.items()))): s.value
+            for s in fams["b"].samples if "created" not in s.name}
     assert got.keys() == want.keys()
     for k in got:
         assert got[k] == pytest.approx(want[k]), k
@@ -339,8 +341,10 @@ def test_cache_config_info():
 
 
 def test_instances_do_not_share_a_registry():
-    a = VllmMetrics("m-a", max_num_seqs=8, max_model_len=2048, block_size=16, num_gpu_blocks=10, gpu_memory_utilization=0.8)
-    b = VllmMetrics("m-b", "1", max_num_seqs=8, max_model_len=2048, block_size=16, num_gpu_blocks=10, gpu_memory_utilization=0.8)
+    a = VllmMetrics("m-a", max_num_seqs=8, max_model_len=2048, block_size=16, num_gpu_blocks=10,
+                    gpu_memory_utilization=0.8)
+    b = VllmMetrics("m-b", "1", max_num_seqs=8, max_model_len=2048, block_size=16, num_gpu_blocks=10,
+                    gpu_memory_utilization=0.8)
     a.add_tokens(5, 5)
     fa, fb = parse(a), parse(b)
     assert sample(fa, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == 5

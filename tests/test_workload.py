@@ -12,21 +12,21 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from gateway.emulator.outputs import MAX_OUTPUT_TOKENS, approx_prompt_tokens, prompt_key
+from gateway.tokens import estimate_tokens
 from gateway.workload import (
-    POOL_MODELS,
+    MAX_OUTPUT_TOKENS,
     ModelLabel,
     Record,
     aggregates,
-    generate,
     model_names,
+    prompt_key,
     read_jsonl,
     split,
     write_jsonl,
 )
 from gateway.workload.__main__ import main as workload_main
 from gateway.workload.records import split_fraction
-from gateway.workload.synthetic import latents
+from gateway.workload.synthetic import POOL_MODELS, generate, latents
 from gateway.workload.text import EASY, HARD, KINDS
 
 N = 4000  # enough for the aggregates to sit within a few thousandths of the full set's
@@ -62,7 +62,7 @@ def test_generate_is_prefix_stable(records):
 
 def test_model_labels_do_not_depend_on_which_models_are_asked_for(records):
     subset = generate(200, models=(M72, M3))
-    for full, part in zip(records[:200], subset):
+    for full, part in zip(records[:200], subset, strict=True):
         assert list(part.models) == [M72, M3]
         assert part.models[M3] == full.models[M3] and part.models[M72] == full.models[M72]
     with pytest.raises(ValueError, match="no synthetic calibration"):
@@ -76,7 +76,7 @@ def test_records_are_well_formed(records):
     assert len({r.id for r in records}) == len(records), "prompts (and so ids) are unique"
     for r in records:
         assert r.id == prompt_key(r.prompt)
-        assert r.input_len == approx_prompt_tokens(r.prompt)
+        assert r.input_len == estimate_tokens(r.prompt)
         assert list(r.models) == list(POOL_MODELS)
         for label in r.models.values():
             assert 0.0 <= label.score <= 1.0
@@ -165,7 +165,7 @@ def test_best_model_is_partly_predictable_from_latent_properties(records):
     test = np.array([split_fraction(r.prompt) < 0.2 for r in records])
     sums: dict = defaultdict(lambda: np.zeros(4))
     counts: dict = defaultdict(int)
-    for cell, row, is_test in zip(cells, s, test):
+    for cell, row, is_test in zip(cells, s, test, strict=True):
         if not is_test:
             sums[cell] += row
             counts[cell] += 1
@@ -254,8 +254,10 @@ GOOD = {"prompt": "hi", "input_len": 1, "models": {"m": {"output_length": 3, "sc
     (json.dumps({k: v for k, v in GOOD.items() if k != "prompt"}), "missing prompt"),
     (json.dumps({**GOOD, "models": {"m": {"output_length": 3, "score": 1.5}}}), "score must be a number in [0, 1]"),
     (json.dumps({**GOOD, "models": {"m": {"output_length": 3, "score": "0.5"}}}), "score must be a number in [0, 1]"),
-    (json.dumps({**GOOD, "models": {"m": {"output_length": -1, "score": 0.5}}}), "output_length must be a non-negative integer"),
-    (json.dumps({**GOOD, "models": {"m": {"output_length": 2.5, "score": 0.5}}}), "output_length must be a non-negative integer"),
+    (json.dumps({**GOOD, "models": {"m": {"output_length": -1, "score": 0.5}}}),
+     "output_length must be a non-negative integer"),
+    (json.dumps({**GOOD, "models": {"m": {"output_length": 2.5, "score": 0.5}}}),
+     "output_length must be a non-negative integer"),
     (json.dumps({**GOOD, "models": {"m": {"score": 0.5}}}), "output_length must be a non-negative integer"),
     (json.dumps({**GOOD, "models": {}}), "no models"),
     (json.dumps({k: v for k, v in GOOD.items() if k != "models"}), "no models"),

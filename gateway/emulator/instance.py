@@ -9,18 +9,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from dataclasses import dataclass
 
+from gateway.config import Faults
 from gateway.emulator.vllm_metrics import VllmMetrics
 from gateway.engine.engine import Engine, Sequence, StepReport
 from gateway.engine.profiles import spec_for_instance
-
-
-@dataclass(slots=True)
-class Faults:
-    error_rate: float = 0.0  # share of requests answered with a 500
-    added_latency_s: float = 0.0  # stall before a request is accepted
-    down: bool = False  # the instance refuses connections
 
 
 class EmulatedInstance:
@@ -38,8 +31,7 @@ class EmulatedInstance:
             num_gpu_blocks=spec.num_gpu_blocks,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
         )
-        faults = cfg.faults
-        self.faults = Faults(faults.error_rate, faults.added_latency_ms / 1000.0, faults.down)
+        self.faults: Faults = cfg.faults  # replaced whole (it is frozen) when a knob changes
         self.rng = random.Random(f"{seed}:{cfg.name}")
         self._ids = itertools.count()
         self._wakeups: dict[object, asyncio.Event] = {}
@@ -50,8 +42,10 @@ class EmulatedInstance:
     def should_fail(self) -> bool:
         return self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate
 
-    def submit(self, rid: str, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float) -> tuple[Sequence, asyncio.Event]:
-        seq = self.engine.add(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens, now=now)
+    def submit(self, rid: str, *, prompt_tokens: int, max_tokens: int, output_tokens: int,
+               now: float) -> tuple[Sequence, asyncio.Event]:
+        seq = self.engine.add(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
+                              now=now)
         wake = asyncio.Event()
         self._wakeups[rid] = wake
         return seq, wake

@@ -8,27 +8,25 @@ answer length (as with greedy decoding).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Mapping
 
-MAX_OUTPUT_TOKENS = 1024
+from gateway.workload import MAX_OUTPUT_TOKENS, prompt_key
+
 LOG_SIGMA = 0.8  # spread of answer lengths around the model's mean (log-normal)
 
 _WORDS = (
-    "the of and to in is that for it as with was on be by this are or at from an which have not "
-    "can will one all their there been has more if when would about so what up out into than them "
-    "only other some time could these two may then first any like now such where most over also "
-    "after used well should because each just those how very through make between both under "
-    "value model answer request system result data point case number state order process example"
-).split()
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by",
+    "this", "are", "or", "at", "from", "an", "which", "have", "not", "can", "will", "one", "all", "their",
+    "there", "been", "has", "more", "if", "when", "would", "about", "so", "what", "up", "out", "into",
+    "than", "them", "only", "other", "some", "time", "could", "these", "two", "may", "then", "first", "any",
+    "like", "now", "such", "where", "most", "over", "also", "after", "used", "well", "should", "because",
+    "each", "just", "those", "how", "very", "through", "make", "between", "both", "under", "value", "model",
+    "answer", "request", "system", "result", "data", "point", "case", "number", "state", "order", "process",
+    "example"
+)
 _TOKENS = tuple(" " + w for w in _WORDS)
-
-
-def prompt_key(text: str) -> str:
-    """Stable key of a prompt text, shared with the workload's label files."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class OutputLengths:
@@ -52,11 +50,6 @@ class OutputLengths:
         # log-normal with the requested mean: mu = ln(mean) - sigma^2 / 2
         draw = rng.lognormvariate(math.log(mean) - LOG_SIGMA**2 / 2, LOG_SIGMA)
         return max(1, min(round(draw), MAX_OUTPUT_TOKENS))
-
-
-def approx_prompt_tokens(text: str) -> int:
-    """Token count of English text without a tokenizer: about four characters a token."""
-    return max(1, math.ceil(len(text) / 4))
 
 
 def filler_text(seed: int, start: int, count: int) -> str:

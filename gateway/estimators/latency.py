@@ -17,15 +17,11 @@ import numpy as np
 import xgboost as xgb
 
 from gateway.estimators import ArtefactError
+from gateway.scheduling.view import STATE_FEATURES
 
+# A head's features: the instance's state as the scheduler tracks it, then the request itself.
 FEATURES = (
-    "running",  # vllm:num_requests_running at the last scrape
-    "waiting",  # vllm:num_requests_waiting at the last scrape
-    "kv_usage",  # vllm:kv_cache_usage_perc at the last scrape (0..1)
-    "decode_rate",  # generation tokens/s between the last two scrapes
-    "in_flight",  # requests the gateway has on the instance now
-    "pending_prefill_tokens",  # prompt tokens of those without a first token yet
-    "pending_decode_tokens",  # predicted tokens still to stream for those in flight
+    *STATE_FEATURES,
     "prompt_tokens",  # the request's prompt
     "output_tokens",  # the request's predicted answer length
 )
@@ -42,10 +38,6 @@ PARAMS = {
 }
 ROUNDS = 500
 EARLY_STOP = 30
-
-
-def tier_key(model: str, gpu: str) -> str:
-    return f"{model}@{gpu}"
 
 
 def fit_head(x: np.ndarray, tpot_s: np.ndarray, seed: int = 0) -> xgb.Booster:
@@ -97,7 +89,8 @@ class LatencyHeads:
             except (xgb.core.XGBoostError, OSError, json.JSONDecodeError) as e:
                 raise ArtefactError(f"{path}: cannot load TPOT head for {tier}: {str(e).splitlines()[0]}") from None
             if booster.feature_names != list(FEATURES):
-                raise ArtefactError(f"{path}: TPOT head has features {booster.feature_names}, expected {list(FEATURES)}")
+                raise ArtefactError(f"{path}: TPOT head has features {booster.feature_names}, "
+                                    f"expected {list(FEATURES)}")
             booster.set_param({"nthread": 1})
             boosters[tier] = booster
         return cls(boosters, priors_s)

@@ -16,9 +16,10 @@ import random
 import aiohttp
 import orjson
 
-from gateway.estimators.latency import FEATURES, tier_key
+from gateway.estimators.latency import FEATURES
 from gateway.estimators.traces import trace_row
-from gateway.scheduling.instance_view import InstanceState
+from gateway.scheduling.ledger import InstanceState
+from gateway.scheduling.view import tier_key
 from gateway.telemetry import parse_vllm_metrics
 
 log = logging.getLogger("routebalance.profile")

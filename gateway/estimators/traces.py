@@ -19,9 +19,9 @@ import orjson
 
 from gateway.engine.engine import Engine
 from gateway.engine.profiles import arch_for, spec_for_instance
-from gateway.estimators.latency import FEATURES, tier_key
-from gateway.scheduling.instance_view import InstanceState
-from gateway.telemetry import EngineSnapshot
+from gateway.estimators.latency import FEATURES
+from gateway.scheduling.ledger import EngineSnapshot, InstanceState
+from gateway.scheduling.view import tier_key
 
 SWEEP_LOAD = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)  # shares of the tier's estimated request capacity
 
@@ -51,7 +51,7 @@ def virtual_sweep(inst, lengths: list[tuple[int, int]], *, requests_per_rate: in
 
 def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: float, rng: random.Random) -> list[dict]:
     tier = tier_key(inst.model, inst.gpu)
-    engine, view = Engine(spec_for_instance(inst)), InstanceState()
+    engine, state = Engine(spec_for_instance(inst)), InstanceState()
     rows: list[dict] = []
     dispatch_features: dict[int, list[float]] = {}
     generated_total = 0
@@ -62,9 +62,9 @@ def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: floa
         report = engine.advance(until)
         generated_total += report.generation_tokens
         for s in report.progressed:
-            view.streamed(s.rid, s.generated)
+            state.streamed(s.rid, s.generated)
         for s in report.finished:
-            view.done(s.rid)
+            state.done(s.rid)
             if s.generated > 1:
                 rows.append(trace_row(tier, rate, dispatch_features.pop(s.rid), arrival=s.arrival,
                                       first_token=s.first_token_time, finish=s.finish_time, tokens=s.generated))
@@ -73,7 +73,7 @@ def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: floa
         nonlocal next_scrape
         while next_scrape <= until:  # scrapes happen on their own clock
             run_engine(next_scrape)
-            view.scraped(EngineSnapshot(engine.num_running, engine.num_waiting, engine.kv_usage(),
+            state.scraped(EngineSnapshot(engine.num_running, engine.num_waiting, engine.kv_usage(),
                                         generated_total, 0), next_scrape)
             next_scrape += scrape_interval_s
         run_engine(until)
@@ -83,8 +83,8 @@ def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: floa
         t += rng.expovariate(rate)
         advance(t)
         prompt_tokens, output_tokens = lengths[k % len(lengths)]
-        dispatch_features[k] = view.features(prompt_tokens, output_tokens)
-        view.dispatched(k, prompt_tokens, output_tokens)
+        dispatch_features[k] = state.features(prompt_tokens, output_tokens)
+        state.dispatched(k, prompt_tokens, output_tokens)
         engine.add(k, prompt_tokens=prompt_tokens, max_tokens=output_tokens, output_tokens=output_tokens, now=t)
     while engine.busy:
         t += scrape_interval_s
@@ -96,7 +96,7 @@ def trace_row(tier: str, rate: float, feats: list[float], *, arrival: float, fir
               tokens: int) -> dict:
     """One request's trace: its dispatch features and the latencies it got (tokens >= 2)."""
     return {
-        "tier": tier, "rate": rate, **dict(zip(FEATURES, feats)),
+        "tier": tier, "rate": rate, **dict(zip(FEATURES, feats, strict=True)),
         "tpot_s": (finish - first_token) / (tokens - 1),
         "ttft_s": first_token - arrival, "e2e_s": finish - arrival,
     }

@@ -11,23 +11,39 @@ state and is re-derived after every dispatch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from gateway.config_schema import Section, section
 from gateway.scheduling.budget import predicted_cost, within_budget
-from gateway.scheduling.policy import RUNNING, WAITING, Decision, Estimates, PoolView, RouteRequest
+from gateway.scheduling.request import Decision, Estimates, Refusal, RouteRequest
+from gateway.scheduling.scoring import QualityTerm, eq1, expected_latency, quality_term
+from gateway.scheduling.view import PoolView
 
-# Feature rows for a TPOT head: instance state (PoolView.state) + prompt and answer tokens.
+# Feature rows for a TPOT head: instance state (view.STATE_FEATURES) + prompt and answer tokens.
 TpotFn = Callable[[str, np.ndarray], np.ndarray]  # (tier, rows) -> seconds per token
 TIE = 1e-9  # scores this close are equal; the tie-break decides
+LatencyTerm = Literal["heads", "prior", "off"]
+TieBreak = Literal["shortest_queue", "predicted"]
 
 
-@dataclass(frozen=True, slots=True)
-class ScoreOptions:
-    quality_term: str = "raw"  # "raw" | "minmax"
-    latency_term: str = "heads"  # "heads" | "prior" | "off"
-    tiebreak: str = "shortest_queue"  # "shortest_queue" | "predicted"
+@section
+class RouteBalanceOptions(Section):
+    """[policies.routebalance]: variants of the score, for experiments (the paper's isolation arms).
+
+    quality_term: the KNN score as is, or min-max normalised over the
+    candidates; latency_term: the TPOT heads with live pending work, the
+    tier's static prior (tpot_prior_ms x predicted length, no telemetry), or
+    off (w_lat = 0); tiebreak among equal scores: the shorter queue, or the
+    lower predicted latency then the shorter queue; lpt: longest predicted
+    answer first within a batch; budget_filter: Eq. 2 before scoring (the
+    dispatch clamp and the streaming stop apply either way).
+    """
+
+    quality_term: QualityTerm = "raw"
+    latency_term: LatencyTerm = "heads"
+    tiebreak: TieBreak = "shortest_queue"
     lpt: bool = True
     budget_filter: bool = True
 
@@ -37,47 +53,10 @@ class ScoreOptions:
         return self.latency_term == "heads" or (self.latency_term == "off" and self.tiebreak == "predicted")
 
 
-def eq1_scores(weights: tuple[float, float, float], quality: np.ndarray, cost: np.ndarray,
-               latency: np.ndarray) -> np.ndarray:
-    """Eq. 1 over one request's candidates: w_q Q + w_c (1 - C/max C) + w_l (1 - T/max T).
-
-    Cost and latency are scaled by the candidates' maxima, so a 6x cheaper
-    candidate counts in proportion rather than all or nothing. A term whose
-    maximum is 0 (every candidate free, or latency off) is equal for all.
-    """
-    w_q, w_l, w_c = weights
-    return w_q * quality + w_c * (1.0 - _share_of_max(cost)) + w_l * (1.0 - _share_of_max(latency))
-
-
-def _share_of_max(x: np.ndarray) -> np.ndarray:
-    top = x.max()
-    return x / top if top > 0 else np.zeros_like(x)
-
-
-def min_max(x: np.ndarray) -> np.ndarray:
-    lo, hi = x.min(), x.max()
-    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
-
-
 def lpt_order(lengths: Sequence[np.ndarray]) -> list[int]:
     """Requests by their longest predicted answer over their candidates, longest first (stable)."""
     keys = [float(row.max()) if len(row) else 0.0 for row in lengths]
     return sorted(range(len(keys)), key=lambda r: -keys[r])
-
-
-def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, running: np.ndarray,
-                     waiting: np.ndarray, max_num_seqs: np.ndarray) -> np.ndarray:
-    """Seconds to the end of the answer (paper section 4.2).
-
-    With a free decode slot (fewer running than max_num_seqs and nobody
-    waiting) the request decodes at once: L x tpot. Otherwise it first waits
-    through d/b iterations of the running batch (d pending decode tokens over
-    b running sequences): (d/b + L) x tpot. A queue with free slots means the
-    KV cache is full, so it waits then too.
-    """
-    busy = (running >= max_num_seqs) | (waiting > 0)
-    wait = np.where(busy, pending_decode / np.maximum(running, 1), 0.0)
-    return tpot_s * (wait + length)
 
 
 class BatchLatency:
@@ -113,7 +92,8 @@ class BatchLatency:
 
     def _rows(self, view: PoolView, i: int) -> np.ndarray:
         n = len(self.inputs)
-        return np.column_stack([np.broadcast_to(view.state[i], (n, view.state.shape[1])),
+        state = view.state_row(i)
+        return np.column_stack([np.broadcast_to(state, (n, len(state))),
                                 self.inputs, self.length[:, i]]).astype(np.float32)
 
     def dispatched(self, view: PoolView, i: int) -> None:
@@ -131,39 +111,39 @@ def capped(batch: Sequence[RouteRequest], est: Estimates) -> Estimates:
     return Estimates(est.quality, np.minimum(est.length, limits[:, None]), est.embeddings)
 
 
-def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: ScoreOptions,
+def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
                  tpot: TpotFn | None) -> list[Decision]:
     """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place."""
     est = capped(batch, est)
     latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
     order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
-    decisions: list[Decision | None] = [None] * len(batch)
+    decisions: dict[int, Decision] = {}
     for k, r in enumerate(order):
         req, cands = batch[r], usable[r]
-        decisions[r] = decide_one(req, r, cands, est, view, latency, options)
-        chosen = decisions[r].ranked[0] if decisions[r].ranked else None
+        decision = decisions[r] = decide_one(req, r, cands, est, view, latency, options)
+        chosen = decision.ranked[0] if decision.ranked else None
         if chosen is not None:
             tokens = float(est.length[r, chosen])
             view.dispatched(chosen, tokens, req.input_tokens)
             if k + 1 < len(batch):  # the last request's dispatch has no one left to inform
                 latency.dispatched(view, chosen)
-    return decisions  # type: ignore[return-value]
+    return [decisions[r] for r in range(len(batch))]
 
 
 def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, view: PoolView,
-               latency: BatchLatency, options: ScoreOptions) -> Decision:
+               latency: BatchLatency, options: RouteBalanceOptions) -> Decision:
     length = est.length[r, cands]
     cost = predicted_cost(req.input_tokens, length, view.price_in[cands], view.price_out[cands])
     if options.latency_term == "prior":  # the paper's arm 4: nominal TPOT x length, no instance state
         t = latency.tpot[r, cands] * length
     else:
         t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands],
-                             view.state[cands, RUNNING], view.state[cands, WAITING], view.max_num_seqs[cands])
+                             view.running[cands], view.waiting[cands], view.max_num_seqs[cands])
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
-        keep, fallback = admit(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
-                               options.budget_filter)
+        keep, fallback = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
+                                       view.price_out[cands], options.budget_filter)
         if not keep.any():
             if fallback is None:
                 return Decision((), refused=refusal(req.budget_usd, req.input_tokens, view.price_in[cands],
@@ -172,11 +152,10 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
             return Decision(tuple(int(c) for c in cands[fallback]), quality=float(quality[best]),
                             cost_usd=float(cost[best]), latency_s=float(t[best]), tokens=float(length[best]))
         cands, length, cost, t, quality = cands[keep], length[keep], cost[keep], t[keep], quality[keep]
-    q_term = min_max(quality) if options.quality_term == "minmax" else quality
     weights = req.weights
     if options.latency_term == "off":
         weights = (weights[0], 0.0, weights[2])
-    scores = eq1_scores(weights, q_term, cost, t)
+    scores = eq1(weights, quality_term(quality, options.quality_term), cost, t)
     # Best score first; among equal scores the tie-break: the shorter queue
     # (dead-reckoned requests on the instance), or the lower predicted latency
     # and then the shorter queue (a tree's predictions are piecewise constant,
@@ -193,8 +172,8 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
                     latency_s=float(t[best]), tokens=float(length[best]))
 
 
-def admit(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
-          use_filter: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
+                  use_filter: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """Eq. 2 over one request's candidates: (mask of those kept, fallback order).
 
     Kept: predicted cost within the budget (or, with the filter off, able to
@@ -203,7 +182,7 @@ def admit(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarr
     the prompt and one token, cheapest first: they serve an answer clamped to
     what the budget buys. No fallback (None) means the request is refused.
     """
-    payable = within_budget(input_tokens * price_in + price_out, budget)
+    payable = within_budget(predicted_cost(input_tokens, 1, price_in, price_out), budget)
     keep = within_budget(cost, budget) & payable if use_filter else payable
     if keep.any() or not payable.any():
         return keep, None
@@ -211,7 +190,8 @@ def admit(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarr
     return keep, idx[np.argsort(cost[idx], kind="stable")]
 
 
-def refusal(budget: float, input_tokens: int, price_in: np.ndarray, price_out: np.ndarray) -> str:
-    cheapest = float((input_tokens * price_in + price_out).min()) if len(price_in) else 0.0
-    return (f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and one "
-            f"answer token on any candidate instance; the cheapest needs {cheapest:.8f} USD")
+def refusal(budget: float, input_tokens: int, price_in: np.ndarray, price_out: np.ndarray) -> Refusal:
+    cheapest = float(predicted_cost(input_tokens, 1, price_in, price_out).min()) if len(price_in) else 0.0
+    return Refusal(402, f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and one "
+                        f"answer token on any candidate instance; the cheapest needs {cheapest:.8f} USD",
+                   "budget", "routing.budget_usd", "insufficient_budget")

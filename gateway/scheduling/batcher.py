@@ -15,7 +15,7 @@ than left to wait without end. Time is passed in; nothing here reads a clock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -71,12 +71,23 @@ class BatchQueue(Generic[T]):
 
         Judged against `closes_at` itself, so a caller that sleeps until then finds it
         ready (arrival + window - arrival can round below the window)."""
-        return len(self._items) >= limit.size or (bool(self._items) and now >= self.closes_at(limit))
+        closes = self.closes_at(limit)
+        return len(self._items) >= limit.size or (closes is not None and now >= closes)
 
     def closes_at(self, limit: BatchLimit) -> float | None:
         """When the current batch's window ends (None if the queue is empty)."""
         return self._items[0][0] + limit.window_s if self._items else None
 
-    def take(self, size: int) -> list[tuple[float, T]]:
-        """Up to `size` requests, oldest first, with their arrival times."""
-        return [self._items.popleft() for _ in range(min(size, len(self._items)))]
+    def take(self, size: int, order: Callable[[list[T]], Sequence[T]] | None = None) -> list[tuple[float, T]]:
+        """Up to `size` requests with their arrival times: the oldest, or the first in `order`.
+
+        `order` ranks every waiting request (a policy's `order` hook, e.g. earliest
+        deadline first); those not taken stay queued in arrival order, so a
+        window still runs from the oldest request."""
+        if order is None:
+            return [self._items.popleft() for _ in range(min(size, len(self._items)))]
+        arrived = {id(item): at for at, item in self._items}
+        chosen = list(order([item for _, item in self._items]))[:size]
+        taken = {id(item) for item in chosen}
+        self._items = deque(entry for entry in self._items if id(entry[1]) not in taken)
+        return [(arrived[id(item)], item) for item in chosen]

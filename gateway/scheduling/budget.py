@@ -8,6 +8,11 @@ The relay's streaming early-stop and the dispatch clamp both judge with
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import numpy as np
+
+Amount = float | np.ndarray  # one value, or one per candidate instance
 
 # Prices like 0.38e-6 are not exact in binary: a cost that equals the budget on
 # paper may come out a hair above it, and that rounding must not cost a token.
@@ -19,12 +24,13 @@ def per_token(price_per_mtok: float) -> float:
     return price_per_mtok / 1e6
 
 
-def predicted_cost(input_tokens: float, output_tokens: float, price_in: float, price_out: float) -> float:
-    """USD for a prompt and an answer of these sizes."""
+def predicted_cost(input_tokens: Amount, output_tokens: Amount, price_in: Amount, price_out: Amount) -> Any:
+    """USD for a prompt and an answer of these sizes (elementwise over arrays of candidates)."""
     return input_tokens * price_in + output_tokens * price_out
 
 
-def within_budget(cost_usd: float, budget_usd: float) -> bool:
+def within_budget(cost_usd: Amount, budget_usd: float) -> Any:
+    """Whether a cost fits the budget (elementwise over an array of costs)."""
     return cost_usd <= budget_usd * (1 + REL_TOL)
 
 

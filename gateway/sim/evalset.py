@@ -25,7 +25,8 @@ import numpy as np
 
 from gateway.estimators.build import read_manifest
 from gateway.tokens import TokenCounter
-from gateway.workload import Record, generate, read_jsonl, split
+from gateway.workload import Record, read_jsonl, split
+from gateway.workload.synthetic import generate
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
@@ -99,7 +100,7 @@ def evaluation_records(cfg, n: int, workload: str | None = None) -> list[Record]
 
 def label_lengths(records: list[Record]) -> dict[str, dict[str, int]]:
     """prompt key -> model -> labelled answer tokens, for the emulator to answer with."""
-    from gateway.emulator.outputs import prompt_key
+    from gateway.workload import prompt_key
 
     return {prompt_key(r.prompt): {m: lab.output_length for m, lab in r.models.items()} for r in records}
 
@@ -176,13 +177,12 @@ def _estimate(estimators, cfg, prompts: list[str], chunk: int = 64) -> dict[str,
 def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:
     """Time the real embedder + KNN and the real RouteBalance assignment (with and
     without the TPOT heads) at batch 1 and 16, on the same 32 prompts."""
-    from gateway.scheduling.instance_view import PoolAccounting
-    from gateway.scheduling.policies import make_policy
-    from gateway.scheduling.policy import RouteRequest
-    from gateway.sim.simulator import with_scheduler
+    from gateway.scheduling.ledger import PoolLedger
+    from gateway.scheduling.policies import registry
+    from gateway.scheduling.request import RouteRequest
 
-    with_heads = make_policy("routebalance", with_scheduler(cfg, latency_term="heads"), estimators)
-    plain = make_policy("routebalance", with_scheduler(cfg, latency_term="prior"), estimators)
+    with_heads = registry.build("routebalance", cfg.with_options("routebalance", latency_term="heads"), estimators)
+    plain = registry.build("routebalance", cfg.with_options("routebalance", latency_term="prior"), estimators)
     everyone = tuple(range(len(cfg.instances)))
     sample = prompts[:32]
 
@@ -196,7 +196,7 @@ def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:
             est = estimators.for_instances(texts, cfg.instances)
             totals[0] += time.perf_counter() - start
             for k, policy in ((1, with_heads), (2, plain)):
-                view = PoolAccounting().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
+                view = PoolLedger().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
                 start = time.perf_counter()
                 policy.assign(requests, est, view)
                 totals[k] += time.perf_counter() - start
@@ -205,7 +205,7 @@ def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:
     per_batch(1)  # warm-up
     one, sixteen = per_batch(1), per_batch(16)
     fitted = []
-    for a, b in zip(one, sixteen):
+    for a, b in zip(one, sixteen, strict=True):
         slope = max((b - a) / 15, 0.0)
         fitted += [max(a - slope, 0.0), slope]
     return ComputeCost(*fitted)

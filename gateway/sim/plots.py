@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+def require_matplotlib() -> None:
+    """Raise ValueError naming the install command when matplotlib (the `eval` extra) is missing."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("plotting needs matplotlib: pip install 'routebalance-gateway[eval]' "
+                         "(from a source checkout: pip install -e '.[eval]')")
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no screen), imported on first use: it is the `eval` extra."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # chosen before pyplot is imported
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
 
 COLOURS = {"routebalance": "tab:blue", "avengers": "tab:orange", "best_route": "tab:green",
            "passthrough": "tab:grey", "single_model": "tab:red"}
@@ -37,7 +52,7 @@ def _label_rb(ax, rows, x: str, y: str) -> None:
 def frontier(rows: list[dict], out_dir: Path) -> list[Path]:
     paths = []
     at12 = [r for r in rows if r["rate"] == 12]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    fig, axes = _pyplot().subplots(2, 2, figsize=(12, 9))
     ax = axes[0][0]
     _scatter(ax, at12, "e2e_mean", "quality")
     _label_rb(ax, at12, "e2e_mean", "quality")
@@ -79,7 +94,7 @@ def _peak_quality_label(rows, system: str) -> str:
 
 def by_rate(rows: list[dict], out_dir: Path, name: str, title: str) -> list[Path]:
     """Mean E2E against offered load, one line per label (arms, batching)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
     labels = list(dict.fromkeys(r["label"] for r in rows))
     for label in labels:
         rs = sorted((r for r in rows if r["label"] == label), key=lambda r: r["rate"])
@@ -93,11 +108,12 @@ def by_rate(rows: list[dict], out_dir: Path, name: str, title: str) -> list[Path
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
 def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
+    require_matplotlib()
     if name == "frontier":
         return frontier(rows, out_dir)
     if name == "arms":

@@ -54,5 +54,5 @@ async def replay(base: str, prompts, times, preset: str, names: dict[str, int]) 
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
         start = time.monotonic()
         await asyncio.gather(*(one_request(client, base + "/v1/chat/completions", p, preset, start, float(t), names, o)
-                               for p, t, o in zip(prompts, times, outcomes)))
+                               for p, t, o in zip(prompts, times, outcomes, strict=True)))
     return outcomes

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gateway.sim.arrivals import ArrivalSpec
 from gateway.sim.metrics import summarise
-from gateway.sim.simulator import CellSpec, run_cell, with_batching, with_pipeline, with_scheduler
+from gateway.sim.simulator import CellSpec, run_cell, with_batching
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Cell:
     system: str  # family shown in plots: routebalance, avengers, best_route, passthrough
     label: str  # e.g. "uniform", "p_w=0.53+round_robin"
     spec: CellSpec
-    config_changes: tuple = ()  # (section, {field: value}) applied to the config for this cell
+    config_changes: tuple = ()  # ("batching" or a policy table, {field: value}) applied to the config for this cell
     tags: dict = field(default_factory=dict)
 
 
@@ -97,7 +97,7 @@ def arms(n: int, rates: Sequence[float] = RATES) -> list[Cell]:
         ("4 static per-tier prior", {"latency_term": "prior"}),
     )
     return [Cell("routebalance", label, CellSpec("routebalance", uniform, ArrivalSpec(rate=rate), n),
-                 (("scheduler", changes),)) for rate in rates for label, changes in variants]
+                 (("routebalance", changes),)) for rate in rates for label, changes in variants]
 
 
 def budget(n: int, rate: float = 16) -> list[Cell]:
@@ -109,7 +109,7 @@ def budget(n: int, rate: float = 16) -> list[Cell]:
         for on in (True, False):
             cells.append(Cell("routebalance", f"filter {'on' if on else 'off'}",
                               CellSpec("routebalance", RB_WEIGHTS["uniform"], arr, n, budget_share=share),
-                              (("scheduler", {"budget_filter": on}),), tags))
+                              (("routebalance", {"budget_filter": on}),), tags))
         cells.append(Cell("best_route", "t=0.0+round_robin (argmax, no filter)",
                           CellSpec("best_route+round_robin", arrivals=arr, requests=n, budget_share=share),
                           (("pipeline", {"best_route_threshold": 0.0}),), tags))
@@ -118,7 +118,7 @@ def budget(n: int, rate: float = 16) -> list[Cell]:
 
 def batching(n: int, rates: Sequence[float] = (8, 16, 24)) -> list[Cell]:
     """Paper Fig. 4 at uniform weights: batch formation and LPT."""
-    variants = (  # (label, [batching] changes, [scheduler] changes); no rules given: the config's adaptive ones
+    variants = (  # (label, [batching] changes, [policies.routebalance] changes); no rules: the config's adaptive ones
         ("eager (default)", {"mode": "eager"}, {}),
         ("window, adaptive (paper)", {"mode": "window"}, {}),
         ("window, adaptive, LPT off", {"mode": "window"}, {"lpt": False}),
@@ -129,7 +129,7 @@ def batching(n: int, rates: Sequence[float] = (8, 16, 24)) -> list[Cell]:
     cells = []
     for rate in rates:
         for label, batch_changes, sched_changes in variants:
-            changes = (("batching", batch_changes),) + ((("scheduler", sched_changes),) if sched_changes else ())
+            changes = (("batching", batch_changes),) + ((("routebalance", sched_changes),) if sched_changes else ())
             cells.append(Cell("routebalance", label, CellSpec("routebalance", RB_WEIGHTS["uniform"],
                                                               ArrivalSpec(rate=rate), n), changes))
     return cells
@@ -173,24 +173,20 @@ def _load(config_path: str, requests: int, workload: str | None) -> None:
     from gateway.sim.evalset import load_evalset
 
     cfg = load_config(config_path)
-    est = Estimators.load(cfg)
+    est = Estimators.load(cfg)  # run_sweep has built them
     _WORKER.update(cfg=cfg, est=est, evalset=load_evalset(cfg, requests, workload, est))
 
 
 def configured(cfg, changes) -> object:
     for section, values in changes:
-        if section == "scheduler":
-            cfg = with_scheduler(cfg, **values)
-        elif section == "pipeline":
-            cfg = with_pipeline(cfg, **values)
-        elif section == "batching":
+        if section == "batching":
             if "rules" in values:
                 from gateway.config import BatchRule
 
                 values = {**values, "rules": tuple(BatchRule(**r) for r in values["rules"])}
             cfg = with_batching(cfg, **values)
-        else:
-            raise ValueError(f"unknown config section {section!r}")
+        else:  # a policy's own table
+            cfg = cfg.with_options(section, **values)
     return cfg
 
 
@@ -208,8 +204,13 @@ def run_one(cell: Cell) -> dict:
 
 def run_sweep(cells: list[Cell], config_path: str, requests: int, workers: int = 2,
               workload: str | None = None) -> list[dict]:
-    """Every cell, in order; the evaluation set is computed (and cached) before the workers start."""
-    _load(config_path, requests, workload)  # builds the cache once, in this process
+    """Every cell, in order; the estimators are built if needed and the evaluation set is
+    computed (and cached) in this process before the workers start."""
+    from gateway.config import load_config
+    from gateway.estimators.build import ensure_built
+
+    ensure_built(load_config(config_path))
+    _load(config_path, requests, workload)
     if workers <= 1:
         return [run_one(c) for c in cells]
     ctx = multiprocessing.get_context("spawn")  # no fork: FAISS and XGBoost keep thread pools

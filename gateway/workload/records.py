@@ -6,7 +6,7 @@ The file format is JSON Lines in the record shape of the RouteBalance authors
     {"prompt": "...", "input_len": 57,
      "models": {"Qwen/Qwen2.5-3B-Instruct": {"output_length": 212, "score": 0.41, ...}, ...}}
 
-Two optional keys of our own ride along: ``id`` (defaults to a stable hash of the
+Two optional keys of our own ride along: ``id`` (defaults to ``prompt_key`` of the
 prompt text, the same key the emulator uses to find a prompt's labels) and
 ``kind`` (the family of prompt, e.g. "math"; defaults to "unknown"). Any other
 key, at either level, is ignored.
@@ -22,9 +22,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.emulator.outputs import approx_prompt_tokens, prompt_key
+from gateway.tokens import estimate_tokens
 
 UNKNOWN_KIND = "unknown"
+MAX_OUTPUT_TOKENS = 1024  # answers are capped at this length (the labels and the emulator's answers)
+
+
+def prompt_key(text: str) -> str:
+    """Stable key of a prompt text: a record's default id, and how the emulator finds a prompt's labels."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +80,7 @@ def parse_record(line: str) -> Record:
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")  # noqa: TRY004 (a bad line is a ValueError)
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
 
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -87,7 +93,7 @@ def parse_record(line: str) -> Record:
 
     input_len = obj.get("input_len")
     if input_len is None:
-        input_len = approx_prompt_tokens(prompt)
+        input_len = estimate_tokens(prompt)
     elif not _is_count(input_len):
         raise ValueError(f"input_len must be a non-negative integer, got {input_len!r}")
 
@@ -100,7 +106,7 @@ def parse_record(line: str) -> Record:
 
 def _parse_label(name: str, label: object) -> ModelLabel:
     if not isinstance(label, dict):
-        raise ValueError(f"model {name!r}: label must be an object, got {type(label).__name__}")  # noqa: TRY004
+        raise ValueError(f"model {name!r}: label must be an object, got {type(label).__name__}")
     score = label.get("score")
     if not _is_number(score) or not 0.0 <= score <= 1.0:
         raise ValueError(f"model {name!r}: score must be a number in [0, 1], got {score!r}")

@@ -36,12 +36,12 @@ def aggregates(records: Sequence[Record], mix: Mapping[str, float] | None = None
     return {
         "records": len(records),
         "models": names,
-        "mean_quality": dict(zip(names, per_model.round(4).tolist())),
+        "mean_quality": dict(zip(names, per_model.round(4).tolist(), strict=True)),
         "oracle_quality": round(float(scores.max(axis=1).mean()), 4),
         "random_mix_quality": round(float(per_model @ weights), 4),
         "best_model_share": dict(zip(names, (np.bincount(scores.argmax(axis=1), minlength=len(names))
-                                             / len(records)).round(4).tolist())),
-        "mean_output_tokens": dict(zip(names, lengths.mean(axis=0).round(1).tolist())),
+                                             / len(records)).round(4).tolist(), strict=True)),
+        "mean_output_tokens": dict(zip(names, lengths.mean(axis=0).round(1).tolist(), strict=True)),
         "prompt_tokens": {
             "mean": round(float(prompt_lens.mean()), 1),
             "median": round(float(np.median(prompt_lens)), 1),

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.emulator.outputs import MAX_OUTPUT_TOKENS, approx_prompt_tokens, prompt_key
+from gateway.tokens import estimate_tokens
 
 from . import text
-from .records import ModelLabel, Record
+from .records import MAX_OUTPUT_TOKENS, ModelLabel, Record, prompt_key
 from .text import EASY, HARD, MEDIUM, Dice
 
 POOL_MODELS = (
@@ -273,6 +273,6 @@ def generate(n: int = PAPER_SIZE, seed: int = 0, models: Sequence[str] = POOL_MO
         labels = _labels(np.random.default_rng((seed, i, 1)), latent, models)
         records.append(Record(
             id=prompt_key(prompt), prompt=prompt, kind=latent.kind,
-            input_len=approx_prompt_tokens(prompt), models=labels,
+            input_len=estimate_tokens(prompt), models=labels,
         ))
     return records

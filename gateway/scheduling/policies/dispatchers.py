@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gateway.scheduling.policy import PoolView
+from gateway.scheduling.view import PoolView
 
 
 class Dispatcher(Protocol):

@@ -8,21 +8,33 @@ shell applies to every request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from gateway.config import DISPATCHERS, ROUTERS
-from gateway.estimators.knn import KnnEstimator
-from gateway.scheduling.policies.dispatchers import (
-    Dispatcher,
-    Random,
-    RoundRobin,
-    ShortestQueue,
-)
+from gateway.config_schema import Section, option, section
+from gateway.scheduling.budget import per_token, predicted_cost
+from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
+from gateway.scheduling.policies.dispatchers import Dispatcher, Random, RoundRobin, ShortestQueue
 from gateway.scheduling.policies.routers import Avengers, BestRoute, Passthrough, Router
-from gateway.scheduling.policy import Decision, Estimates, PoolView, RouteRequest
+from gateway.scheduling.request import Decision, Estimates, RouteRequest
+from gateway.scheduling.view import PoolView
+
+ROUTERS = ("passthrough", "avengers", "best_route")
+DISPATCHERS = ("round_robin", "shortest_queue", "random")
 
 
-class PipelinePolicy:
+@section
+class PipelineOptions(Section):
+    """[policies.pipeline]: Avengers-Pro's performance weight and number of
+    embedding clusters, BEST-Route's quality-gap threshold, and the seed of the
+    random dispatcher and of the clustering."""
+
+    avengers_performance_weight: float = option(0.7, ge=0, le=1)
+    avengers_clusters: int = option(64, ge=1)
+    best_route_threshold: float = option(0.02, ge=0)
+    seed: int = 0
+
+
+class PipelinePolicy(Policy):
     def __init__(self, router: Router, dispatcher: Dispatcher):
         self.router = router
         self.dispatcher = dispatcher
@@ -48,7 +60,7 @@ class PipelinePolicy:
             decisions.append(Decision(
                 tuple(ranked),
                 quality=float(estimates.quality[r, best]),
-                cost_usd=float(req.input_tokens * view.price_in[best] + tokens * view.price_out[best]),
+                cost_usd=float(predicted_cost(req.input_tokens, tokens, view.price_in[best], view.price_out[best])),
                 latency_s=float(view.tpot_prior_s[best] * tokens),
                 tokens=tokens,
             ))
@@ -57,28 +69,36 @@ class PipelinePolicy:
         return decisions
 
 
-def make_pipeline(name: str, *, knn: KnnEstimator | None = None, prices_out: Mapping[str, float] | None = None,
-                  performance_weight: float = 0.7, clusters: int = 64, best_route_threshold: float = 0.02,
-                  seed: int = 0) -> PipelinePolicy:
-    """The policy "<router>+<dispatcher>"; `prices_out` maps a model to its USD per output token."""
-    router_name, _, dispatcher_name = name.partition("+")
-    if router_name not in ROUTERS or dispatcher_name not in DISPATCHERS:
-        raise ValueError(f"unknown pipeline policy {name!r}; expected <router>+<dispatcher> with router one of "
-                         f"{', '.join(ROUTERS)} and dispatcher one of {', '.join(DISPATCHERS)}")
-    router: Router
-    if router_name == "passthrough":
-        router = Passthrough()
-    elif router_name == "best_route":
-        router = BestRoute(best_route_threshold)
-    else:
-        if knn is None or prices_out is None:
-            raise ValueError(f"{name} needs the KNN estimator and the models' output prices")
-        router = Avengers(knn, prices_out, performance_weight, clusters, seed)
-    dispatcher: Dispatcher
-    if dispatcher_name == "round_robin":
-        dispatcher = RoundRobin()
-    elif dispatcher_name == "shortest_queue":
-        dispatcher = ShortestQueue()
-    else:
-        dispatcher = Random(seed)
-    return PipelinePolicy(router, dispatcher)
+def make_router(name: str, context: PolicyContext) -> Router:
+    knobs = context.options("pipeline")
+    if name == "passthrough":
+        return Passthrough()
+    if name == "best_route":
+        return BestRoute(knobs.best_route_threshold)
+    if context.estimators is None:
+        raise ValueError("avengers needs the KNN estimator, which is not built: run `routebalance train`")
+    prices_out = {i.model: per_token(i.price_output_per_mtok) for i in context.config.instances}
+    return Avengers(context.estimators.knn, prices_out, knobs.avengers_performance_weight, knobs.avengers_clusters,
+                    knobs.seed)
+
+
+def make_dispatcher(name: str, context: PolicyContext) -> Dispatcher:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "shortest_queue":
+        return ShortestQueue()
+    return Random(context.options("pipeline").seed)
+
+
+def _entry(router: str, dispatcher: str) -> PolicyEntry:
+    def build(context: PolicyContext) -> PipelinePolicy:
+        return PipelinePolicy(make_router(router, context), make_dispatcher(dispatcher, context))
+
+    what = {"passthrough": "no model choice", "avengers": "Avengers-Pro-style cluster ranking picks the model",
+            "best_route": "BEST-Route-style cheapest model near the best picks the model"}[router]
+    return PolicyEntry(f"{router}+{dispatcher}", build, f"baseline: {what}, then {dispatcher.replace('_', ' ')}",
+                       needs_estimates=router != "passthrough")
+
+
+OPTIONS = {"pipeline": PipelineOptions}
+ENTRIES = tuple(_entry(r, d) for r in ROUTERS for d in DISPATCHERS)

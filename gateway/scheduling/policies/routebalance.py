@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from gateway.scheduling.assign import ScoreOptions, TpotFn, assign_batch
-from gateway.scheduling.policy import Decision, Estimates, PoolView, RouteRequest
+from gateway.scheduling.assign import RouteBalanceOptions, TpotFn, assign_batch
+from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
+from gateway.scheduling.request import Decision, Estimates, RouteRequest
+from gateway.scheduling.view import PoolView
 
 
-class RouteBalance:
+class RouteBalance(Policy):
     name = "routebalance"
     needs_estimates = True
 
-    def __init__(self, options: ScoreOptions, tpot: TpotFn | None):
+    def __init__(self, options: RouteBalanceOptions, tpot: TpotFn | None):
         self.options = options
         self.tpot = tpot  # the TPOT heads; None falls back to the static prior
 
@@ -20,3 +23,16 @@ class RouteBalance:
         if estimates is None:
             raise ValueError("routebalance needs the batch's estimates")
         return assign_batch(batch, estimates, view, self.options, self.tpot)
+
+    def compute_s(self, batch_size: int, cost: Any) -> float:
+        return cost.score_s(batch_size, self.options.uses_heads)
+
+
+def build(context: PolicyContext) -> RouteBalance:
+    est = context.estimators
+    return RouteBalance(context.options("routebalance"), est.heads.tpot if est is not None else None)
+
+
+OPTIONS = {"routebalance": RouteBalanceOptions}
+ENTRIES = (PolicyEntry("routebalance", build, "quality, latency and cost priced together per instance (Eq. 1)",
+                       needs_estimates=True),)

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-import faiss
 import numpy as np
 
-from gateway.estimators.knn import KnnEstimator
-from gateway.scheduling.policy import Estimates, PoolView, RouteRequest
+from gateway.scheduling.request import Estimates, RouteRequest
+from gateway.scheduling.view import PoolView
 
 
 class Router(Protocol):
@@ -53,8 +52,10 @@ class Avengers:
     name = "avengers"
     needs_estimates = True
 
-    def __init__(self, knn: KnnEstimator, prices_out: Mapping[str, float], performance_weight: float = 0.7,
+    def __init__(self, knn, prices_out: Mapping[str, float], performance_weight: float = 0.7,
                  clusters: int = 64, seed: int = 0):
+        """`knn`: the KNN estimator (estimators/knn.py): its index of training embeddings and their labels."""
+        import faiss  # clustering is needed only to build this router
         # Only models with both labels and a price can be scored; the others are never picked.
         cols = [m for m, name in enumerate(knn.models) if name in prices_out]
         self.models = tuple(knn.models[m] for m in cols)

@@ -33,7 +33,8 @@ def _recommend(d: Dice, level: int) -> str:
         f"I loved {b} and {s}. What else would I probably enjoy, and why?",
         "Give me five albums to get into jazz, in the order I should listen to them.",
     ), (
-        f"Compare {b} with two similar books in terms of themes and writing style, and tell me which to read next given I found {s} too slow.",
+        f"Compare {b} with two similar books in terms of themes and writing style, and tell me which to read next "
+        f"given I found {s} too slow.",
     ))
 
 
@@ -57,7 +58,8 @@ def _trivia(d: Dice, level: int) -> str:
         "Why did the Roman Empire fall?", "How do vaccines work?", "Why do we have leap years?",
         "How does a refrigerator actually keep things cold?",
     ), (
-        "Explain why time runs slower near a massive object, in a way a smart teenager would understand, without hand-waving.",
+        "Explain why time runs slower near a massive object, in a way a smart teenager would understand, without "
+        "hand-waving.",
         "What really caused the 2008 financial crisis? Give the main competing explanations.",
     ))
 
@@ -71,7 +73,8 @@ def _travel(d: Dice, level: int) -> str:
         f"Plan {days} days in {c} for someone who likes food and museums.",
         f"Is it better to stay near the center or outside {c} on a budget?",
     ), (
-        f"I have {days} days and about $1500 for {c} and one nearby city. Compare routes, transport and where to stay, and flag anything I should book in advance.",
+        f"I have {days} days and about $1500 for {c} and one nearby city. Compare routes, transport and where to stay, "
+        "and flag anything I should book in advance.",
     ))
 
 
@@ -106,7 +109,8 @@ def _relationships(d: Dice, level: int) -> str:
         "My best friend hasn't replied in weeks. Should I reach out again?",
         "How do I tell my partner I need more space without hurting them?",
     ), (
-        "My sister and my wife don't get along and both want me to take sides about a holiday plan. How do I handle this fairly?",
+        "My sister and my wife don't get along and both want me to take sides about a holiday plan. How do I handle "
+        "this fairly?",
     ))
 
 
@@ -130,7 +134,8 @@ def _tech(d: Dice, level: int) -> str:
         f"My {g} has been really slow lately. What can I do to speed it up?",
         "Should I buy a laptop or a tablet for university?",
     ), (
-        f"My {g} keeps dropping the wifi connection but other devices are fine. Walk me through a systematic troubleshooting process.",
+        f"My {g} keeps dropping the wifi connection but other devices are fine. Walk me through a systematic "
+        "troubleshooting process.",
     ))
 
 
@@ -142,7 +147,8 @@ def _language(d: Dice, level: int) -> str:
     ), (
         f"What's the fastest way to learn basic {lang} for a trip?", "When do I use 'whom' instead of 'who'?",
     ), (
-        f"Explain the difference between the two past tenses in {lang} with examples where the choice changes the meaning.",
+        f"Explain the difference between the two past tenses in {lang} with examples where the choice changes the "
+        "meaning.",
     ))
 
 
@@ -193,12 +199,14 @@ _TOPIC_CONTEXT = {
                   "It started after the last update."),
     "language": ("I'm a complete beginner.", "I'm going there next month.", "My partner's family speaks it.",
                  "I studied it in school years ago."),
-    "opinion": ("Be honest, not diplomatic.", "I've been thinking about this a lot lately.", "Just curious what you think."),
+    "opinion": ("Be honest, not diplomatic.", "I've been thinking about this a lot lately.",
+                "Just curious what you think."),
     "money": ("I have some credit card debt.", "I just started my first job.", "I'm self-employed.",
               "I don't know much about investing."),
 }
 _CONTEXT = (
-    "I'm {age}.", "Thanks in advance!", "Sorry if this is a dumb question.", "My friends and I were arguing about this.",
+    "I'm {age}.", "Thanks in advance!", "Sorry if this is a dumb question.",
+    "My friends and I were arguing about this.",
     "Keep it short please.", "I'm on a tight budget.", "I'm asking for my mom.", "It's been bugging me all week.",
 )
 

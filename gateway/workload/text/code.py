@@ -29,14 +29,17 @@ def _python(d: Dice, level: int) -> str:
         f"Write a Python function that counts how often each {n} id appears in a list.",
         "What's the simplest way to read a text file line by line in Python?",
     ), (
-        f"Write a Python class `{n.capitalize()}Store` that keeps {n}s in memory and supports add, get by id and delete.",
+        f"Write a Python class `{n.capitalize()}Store` that keeps {n}s in memory and supports add, get by id and "
+        "delete.",
         f"Write a Python function that flattens an arbitrarily nested list of {n} records into one list.",
         f"Write a Python generator that yields the {n}s from a large CSV file in chunks of {d.between(2, 20) * 50}.",
         f"Implement a Python decorator that retries a function up to {d.between(3, 6)} times with exponential backoff.",
     ), (
         "Implement an LRU cache in Python from scratch (no functools) with O(1) get and put, and make it thread-safe.",
-        f"Write a Python library function that merges overlapping time intervals of {n} bookings; it must run in O(n log n) and handle open-ended intervals.",
-        f"Design a Python plugin system where {n} handlers are discovered at import time, ordered by priority, and can be hot-reloaded without leaking memory.",
+        f"Write a Python library function that merges overlapping time intervals of {n} bookings; it must run in "
+        "O(n log n) and handle open-ended intervals.",
+        f"Design a Python plugin system where {n} handlers are discovered at import time, ordered by priority, and can "
+        "be hot-reloaded without leaking memory.",
     ))
 
 
@@ -47,12 +50,16 @@ def _sql(d: Dice, level: int) -> str:
         f"How do I count the rows in the `{n}s` table grouped by status in PostgreSQL?",
         f"Write a SQL query to find the 10 most recent {n}s.",
     ), (
-        f"Write a SQL query that returns each customer's total spend and their most recent {n}, using tables `customers` and `{n}s`.",
+        f"Write a SQL query that returns each customer's total spend and their most recent {n}, using tables "
+        f"`customers` and `{n}s`.",
         f"In MySQL, how can I find duplicate {n} rows that share the same email and keep only the oldest one?",
         f"Write a PostgreSQL query that computes a 7-day rolling average of daily {n} counts.",
     ), (
-        f"Our PostgreSQL query joining `{n}s` (40M rows) to `customers` takes 30 seconds. Explain how to read the EXPLAIN ANALYZE output, which indexes to add, and rewrite the query to use a window function instead of a correlated subquery.",
-        f"Design a schema for a multi-tenant {n} tracking system with soft deletes, audit history and row-level security, and write the migration SQL.",
+        f"Our PostgreSQL query joining `{n}s` (40M rows) to `customers` takes 30 seconds. Explain how to read the "
+        "EXPLAIN ANALYZE output, which indexes to add, and rewrite the query to use a window function instead of a "
+        "correlated subquery.",
+        f"Design a schema for a multi-tenant {n} tracking system with soft deletes, audit history and row-level "
+        "security, and write the migration SQL.",
     ))
 
 
@@ -63,12 +70,15 @@ def _javascript(d: Dice, level: int) -> str:
         "Write a JavaScript function that formats a date as YYYY-MM-DD.",
         "How do I center a div horizontally and vertically with CSS?",
     ), (
-        f"Write a React component that fetches a list of {n}s from `/api/{n}s` and shows them in a table with a loading state.",
+        f"Write a React component that fetches a list of {n}s from `/api/{n}s` and shows them in a table with a "
+        "loading state.",
         "Write a debounced search box in vanilla JavaScript that calls an API after the user stops typing for 300 ms.",
         f"Convert this callback-based Node.js code that reads {n} files to async/await.",
     ), (
-        f"Build a React hook `use{n.capitalize()}Stream` that subscribes to a WebSocket, reconnects with backoff, batches updates to avoid re-render storms, and cleans up correctly under StrictMode.",
-        "Write a TypeScript type-safe event emitter where each event name maps to its payload type, with `on`, `off` and `once`, and explain the generics.",
+        f"Build a React hook `use{n.capitalize()}Stream` that subscribes to a WebSocket, reconnects with backoff, "
+        "batches updates to avoid re-render storms, and cleans up correctly under StrictMode.",
+        "Write a TypeScript type-safe event emitter where each event name maps to its payload type, with `on`, `off` "
+        "and `once`, and explain the generics.",
     ))
 
 
@@ -85,8 +95,10 @@ def _algorithms(d: Dice, level: int) -> str:
         "Implement a trie that supports insert, search and prefix counting.",
     ), (
         "Give an O(n log n) algorithm for counting inversions in an array, prove it correct, and implement it.",
-        f"Solve this: given {d.between(2, 9) * 10**d.between(4, 5)} intervals, find the minimum number of meeting rooms required, then extend it to return the room assignment. Analyze time and space complexity.",
-        "Implement a segment tree with lazy propagation supporting range add and range minimum queries, and explain every invariant.",
+        f"Solve this: given {d.between(2, 9) * 10**d.between(4, 5)} intervals, find the minimum number of meeting "
+        "rooms required, then extend it to return the room assignment. Analyze time and space complexity.",
+        "Implement a segment tree with lazy propagation supporting range add and range minimum queries, and explain "
+        "every invariant.",
     ))
 
 
@@ -102,8 +114,10 @@ def _debugging(d: Dice, level: int) -> str:
         f"This function is supposed to compute a running total but it fails with {err}. Find the bug and explain it.",
         f"I get {err} only in production, not locally. Here's the code. What could cause this?",
     ), (
-        f"Our service crashes intermittently with {err} under load. Below is the relevant code. Find the root cause, explain why it only appears under concurrency, and propose a fix with a regression test.",
-        f"After upgrading dependencies we see {err} in about 1% of requests. Walk through how you would bisect this and what in the code below looks suspicious.",
+        f"Our service crashes intermittently with {err} under load. Below is the relevant code. Find the root cause, "
+        "explain why it only appears under concurrency, and propose a fix with a regression test.",
+        f"After upgrading dependencies we see {err} in about 1% of requests. Walk through how you would bisect this "
+        "and what in the code below looks suspicious.",
     ))
 
 
@@ -118,8 +132,10 @@ def _concurrency(d: Dice, level: int) -> str:
         f"In {lang}, how do I cancel a group of running tasks when one of them fails?",
         f"Write a rate limiter in {lang} that allows {d.between(5, 100)} requests per second per client.",
     ), (
-        f"Implement a bounded multi-producer multi-consumer queue in {lang} without deadlocks, with graceful shutdown and backpressure, and argue why it is free of data races.",
-        f"Design a distributed lock on top of Redis for {lang} services; discuss lease expiry, clock skew and fencing tokens, and write the client code.",
+        f"Implement a bounded multi-producer multi-consumer queue in {lang} without deadlocks, with graceful shutdown "
+        "and backpressure, and argue why it is free of data races.",
+        f"Design a distributed lock on top of Redis for {lang} services; discuss lease expiry, clock skew and fencing "
+        "tokens, and write the client code.",
     ))
 
 
@@ -133,8 +149,10 @@ def _devops(d: Dice, level: int) -> str:
         "Write a bash script that backs up a PostgreSQL database every night and deletes backups older than 14 days.",
         "Write a GitHub Actions workflow that runs tests on Python 3.10 and 3.11 and caches pip.",
     ), (
-        "Our Kubernetes pods get OOMKilled during deploys even though average memory is low. Explain how requests, limits and the JVM heap interact, and write a manifest and rollout strategy that avoid it.",
-        "Write a zero-downtime deployment script for a service behind nginx that drains connections, runs database migrations safely and rolls back automatically on failed health checks.",
+        "Our Kubernetes pods get OOMKilled during deploys even though average memory is low. Explain how requests, "
+        "limits and the JVM heap interact, and write a manifest and rollout strategy that avoid it.",
+        "Write a zero-downtime deployment script for a service behind nginx that drains connections, runs database "
+        "migrations safely and rolls back automatically on failed health checks.",
     ))
 
 
@@ -149,8 +167,10 @@ def _data(d: Dice, level: int) -> str:
         "Write numpy code that normalizes each row of a matrix to unit length without a Python loop.",
         f"Merge two DataFrames of {n}s on id and date where the dates can differ by up to one day.",
     ), (
-        f"I have 200 GB of {n} logs in Parquet. Write a pipeline (pandas won't fit in memory) to compute per-user sessionization with a 30-minute gap rule, and explain how to validate it.",
-        "Implement k-means from scratch with numpy, including k-means++ initialisation and a convergence check, vectorized.",
+        f"I have 200 GB of {n} logs in Parquet. Write a pipeline (pandas won't fit in memory) to compute per-user "
+        "sessionization with a 30-minute gap rule, and explain how to validate it.",
+        "Implement k-means from scratch with numpy, including k-means++ initialisation and a convergence check, "
+        "vectorized.",
     ))
 
 
@@ -164,8 +184,10 @@ def _regex(d: Dice, level: int) -> str:
         "Write a regex that extracts all hashtags from a tweet, excluding ones inside URLs.",
         "Parse a query string into a dictionary without using urllib.",
     ), (
-        "Write a recursive-descent parser for arithmetic expressions with +, -, *, /, parentheses and unary minus, with clear error messages that point at the bad column.",
-        "Write a tokenizer and parser for a small subset of JSON by hand, and explain how you handle escape sequences and deeply nested input.",
+        "Write a recursive-descent parser for arithmetic expressions with +, -, *, /, parentheses and unary minus, "
+        "with clear error messages that point at the bad column.",
+        "Write a tokenizer and parser for a small subset of JSON by hand, and explain how you handle escape sequences "
+        "and deeply nested input.",
     ))
 
 
@@ -180,8 +202,10 @@ def _systems(d: Dice, level: int) -> str:
         "Explain ownership and borrowing with an example where the borrow checker rejects the code.",
         f"Write a {lang} function that reads a binary file of fixed-size records and sums one field.",
     ), (
-        f"Implement a lock-free single-producer single-consumer ring buffer in {lang} and explain the memory orderings you chose.",
-        f"Write a custom memory allocator in {lang} for fixed-size objects with a free list, and discuss fragmentation and alignment.",
+        f"Implement a lock-free single-producer single-consumer ring buffer in {lang} and explain the memory orderings "
+        "you chose.",
+        f"Write a custom memory allocator in {lang} for fixed-size objects with a free list, and discuss fragmentation "
+        "and alignment.",
     ))
 
 
@@ -202,7 +226,8 @@ _SNIPPETS = {
         "        rows = [line.strip().split(',') for line in f]", "    except ValueError as e:",
         "        logger.warning('bad {n}: %s', e)")),
     "sql": ("sql", "SELECT c.id, c.name, COUNT(o.id) AS {n}_count", (
-        "FROM customers c", "LEFT JOIN {n}s o ON o.customer_id = c.id", "WHERE o.created_at >= NOW() - INTERVAL '30 days'",
+        "FROM customers c", "LEFT JOIN {n}s o ON o.customer_id = c.id",
+        "WHERE o.created_at >= NOW() - INTERVAL '30 days'",
         "  AND c.status = 'active'", "GROUP BY c.id, c.name", "HAVING COUNT(o.id) > 3", "ORDER BY {n}_count DESC",
         "LIMIT 50;", "  AND o.total > (SELECT AVG(total) FROM {n}s)")),
     "javascript": ("javascript", "function load{N}s(url) {{", (
@@ -245,14 +270,16 @@ _SNIPPETS = {
 
 _REQUIREMENTS = (
     "Add type hints and docstrings.", "Include a few unit tests.", "Explain the time complexity.",
-    "Handle empty input gracefully.", "Don't use any third-party libraries.", "Keep it readable, this is for a code review.",
+    "Handle empty input gracefully.", "Don't use any third-party libraries.",
+    "Keep it readable, this is for a code review.",
     "Add comments explaining the tricky parts.", "It should work on large inputs (millions of rows).",
     "Please explain what each part does, I'm still learning.", "Make it production quality with proper error handling.",
     "Show example input and output.", "Follow PEP 8.", "Make sure it handles unicode correctly.",
     "The solution must not allocate more memory than necessary.", "Log errors instead of crashing.",
 )
 _CONTEXT = (
-    "I'm using Python 3.11 on Ubuntu.", "This is for a small internal tool at work.", "I'm preparing for a coding interview.",
+    "I'm using Python 3.11 on Ubuntu.", "This is for a small internal tool at work.",
+    "I'm preparing for a coding interview.",
     "We deploy on AWS.", "The codebase is about five years old.", "I'm a beginner.", "Our team uses VS Code.",
     "It runs as a cron job every hour.", "Performance matters here because it's on the hot path.",
 )

@@ -7,9 +7,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from gateway.tokens import CHARS_PER_TOKEN  # how a record's input_len is estimated
+
 T = TypeVar("T")
 
-CHARS_PER_TOKEN = 4  # gateway.emulator.outputs.approx_prompt_tokens counts this way
 MAX_PROMPT_TOKENS = 950  # the paper's longest test prompt is under 1,000 tokens
 
 # Difficulty levels passed to every writer (synthetic.py maps the latent difficulty onto them).
@@ -86,10 +87,6 @@ def voice(d: Dice, text: str) -> str:
     if d.chance(0.15) and text.endswith(("?", ".")):
         text = text[:-1]
     return text
-
-
-def tokens(text: str) -> int:
-    return -(-len(text) // CHARS_PER_TOKEN)
 
 
 def fill(pieces: list[str], more: Callable[[], str], target: int, *, at: int | None = None, sep: str = " ",

@@ -22,16 +22,17 @@ _SUBJECTS = ("remote work", "urban gardening", "the history of tea", "electric c
 
 def _email(d: Dice, level: int) -> str:
     who = d.pick(("my manager", "a client", "my landlord", "a professor", "the HR team", "a supplier", "my team"))
-    why = d.pick(("asking for a deadline extension", "declining a meeting invitation", "following up on an unpaid invoice",
-                  "requesting a day off next Friday", "apologizing for a delayed shipment", "introducing a new colleague",
-                  "reporting a broken heater"))
+    why = d.pick(("asking for a deadline extension", "declining a meeting invitation",
+                  "following up on an unpaid invoice", "requesting a day off next Friday",
+                  "apologizing for a delayed shipment", "introducing a new colleague", "reporting a broken heater"))
     return d.by_level(level, (
         f"Write a short email to {who} {why}.", f"Write an email to {who} {why}.",
     ), (
         f"Write a polite but firm email to {who} {why}. Keep it under 150 words.",
         f"Draft an email to {who} {why}. Use a friendly tone and end with a clear next step.",
     ), (
-        f"Write an email to {who} {why}. It must be under 120 words, contain exactly three paragraphs, not use the word 'sorry', and end with a question.",
+        f"Write an email to {who} {why}. It must be under 120 words, contain exactly three paragraphs, not use the "
+        "word 'sorry', and end with a question.",
     ))
 
 
@@ -41,7 +42,8 @@ def _summarize(d: Dice, level: int) -> str:
     ), (
         "Summarize the text below in three bullet points.", "Summarize the following for a busy executive.",
     ), (
-        "Summarize the text below in exactly 50 words, then list any claims in it that would need a source, and finish with one question the author leaves unanswered.",
+        "Summarize the text below in exactly 50 words, then list any claims in it that would need a source, and "
+        "finish with one question the author leaves unanswered.",
     ))
 
 
@@ -53,7 +55,8 @@ def _rewrite(d: Dice, level: int) -> str:
         f"Rewrite the following paragraph to be {tone}, keeping all the facts.",
         "Paraphrase this text so it doesn't repeat any of the original sentences.",
     ), (
-        f"Rewrite the text below to be {tone} for an audience of {d.pick(_AUDIENCES)}, keep it the same length, keep every number exactly, and mark each change you made in brackets.",
+        f"Rewrite the text below to be {tone} for an audience of {d.pick(_AUDIENCES)}, keep it the same length, keep "
+        "every number exactly, and mark each change you made in brackets.",
     ))
 
 
@@ -66,7 +69,8 @@ def _brainstorm(d: Dice, level: int) -> str:
         f"Brainstorm {k} fundraising ideas for a school that involve {topic}. Rank them by cost.",
         f"List {k} interview questions about {topic}, grouped by difficulty.",
     ), (
-        f"Give {k} startup ideas related to {topic} for {d.pick(_AUDIENCES)}. For each, give the target customer, a one-line pitch and the biggest risk, formatted as a table.",
+        f"Give {k} startup ideas related to {topic} for {d.pick(_AUDIENCES)}. For each, give the target customer, a "
+        "one-line pitch and the biggest risk, formatted as a table.",
     ))
 
 
@@ -80,7 +84,8 @@ def _product(d: Dice, level: int) -> str:
         f"Write a product description for {a(p)} aimed at {aud}. Mention three features.",
         f"Write an Instagram caption for {a(p)} launch with two hashtags.",
     ), (
-        f"Write three versions of a landing-page headline and subheadline for {a(p)} aimed at {aud}: one playful, one premium, one data-driven. Each headline must be under 10 words.",
+        f"Write three versions of a landing-page headline and subheadline for {a(p)} aimed at {aud}: one playful, one "
+        "premium, one data-driven. Each headline must be under 10 words.",
     ))
 
 
@@ -93,7 +98,8 @@ def _explain(d: Dice, level: int) -> str:
         f"Write a 300-word essay on the benefits and drawbacks of {topic}.",
         f"Explain {topic} to {d.pick(_AUDIENCES)} using an analogy.",
     ), (
-        f"Write a balanced 500-word essay on {topic} with an introduction, two arguments for, two against, and a conclusion; use no first-person pronouns and cite the kind of evidence each argument would need.",
+        f"Write a balanced 500-word essay on {topic} with an introduction, two arguments for, two against, and a "
+        "conclusion; use no first-person pronouns and cite the kind of evidence each argument would need.",
     ))
 
 
@@ -104,7 +110,8 @@ def _extract(d: Dice, level: int) -> str:
         "Extract every date and amount of money from the text below as a list.",
         "Classify each sentence of the following text as fact or opinion.",
     ), (
-        "Extract all people, organizations and dates from the text below and return them as JSON with keys `people`, `orgs`, `dates`; dates in ISO format; no extra commentary.",
+        "Extract all people, organizations and dates from the text below and return them as JSON with keys `people`, "
+        "`orgs`, `dates`; dates in ISO format; no extra commentary.",
     ))
 
 
@@ -118,7 +125,8 @@ def _story(d: Dice, level: int) -> str:
         f"Write a 200-word story set in {setting} with a twist ending.",
         f"Write a story for children about {hero}, who lives in {setting}, that teaches sharing.",
     ), (
-        f"Write a story set in {setting} in exactly six sentences, where each sentence starts with the next letter of the name {hero.upper()[:6]}, and the last sentence reveals the narrator's identity.",
+        f"Write a story set in {setting} in exactly six sentences, where each sentence starts with the next letter of "
+        f"the name {hero.upper()[:6]}, and the last sentence reveals the narrator's identity.",
     ))
 
 
@@ -131,7 +139,8 @@ def _plan(d: Dice, level: int) -> str:
     ), (
         f"Create a {weeks}-week plan to {goal}. Put it in a table with one row per week.",
     ), (
-        f"Create a {weeks}-week plan to {goal} for someone with only 30 minutes a day, with weekly milestones, a fallback if a week is missed, and a way to measure progress.",
+        f"Create a {weeks}-week plan to {goal} for someone with only 30 minutes a day, with weekly milestones, a "
+        "fallback if a week is missed, and a way to measure progress.",
     ))
 
 
@@ -142,7 +151,8 @@ def _format(d: Dice, level: int) -> str:
         "Convert the following notes into a markdown table with columns Name, Role and Deadline.",
         "Turn the text below into a numbered list of action items.",
     ), (
-        "Convert the notes below into valid YAML with a list of tasks, each with owner, due date and status; infer missing statuses as 'open' and list what you inferred.",
+        "Convert the notes below into valid YAML with a list of tasks, each with owner, due date and status; infer "
+        "missing statuses as 'open' and list what you inferred.",
     ))
 
 
@@ -164,7 +174,8 @@ def _source_sentences(d: Dice):
         return (
             f"{person} from {org} said the project is {d.between(2, 9)} weeks behind schedule.",
             f"The budget for the next quarter was set at ${d.between(10, 900)},000.",
-            f"On {d.pick(('March', 'June', 'October', 'January'))} {d.between(1, 28)}, the team agreed to move the launch.",
+            f"On {d.pick(('March', 'June', 'October', 'January'))} {d.between(1, 28)}, the team agreed to move the "
+            "launch.",
             f"Customers complained that the {d.pick(_PRODUCTS)} stopped working after a week.",
             f"{other} will own the supplier contracts until the new hire starts.",
             "Honestly I think the new design looks much better than the old one.",

@@ -65,7 +65,8 @@ def _travel(d: Dice, level: int):
     def step() -> tuple[str, ...]:
         return (
             f"It then stops for {_n(d, 10, 45)} minutes to rest.",
-            f"After that it speeds up by {_n(d, 1, 2) * 5} kilometers per hour for the next {count(_n(d, 1, 3), 'hour')}.",
+            f"After that it speeds up by {_n(d, 1, 2) * 5} kilometers per hour for the next "
+            f"{count(_n(d, 1, 3), 'hour')}.",
             f"Because of a detour, it has to go back {_n(d, 5, 30)} kilometers.",
             f"For the final stretch it slows to {max(speed - 5 * _n(d, 1, 2), 5)} kilometers per hour.",
         )
@@ -74,7 +75,8 @@ def _travel(d: Dice, level: int):
         "How far does it travel altogether?",
         "What is its average speed for the whole trip, including stops?",
         "How long does the whole trip take, in hours and minutes?",
-        f"A {other} leaves from the same place an hour later at {_n(d, lo2, hi2) * 5} km/h. When does it catch up, if it does?",
+        f"A {other} leaves from the same place an hour later at {_n(d, lo2, hi2) * 5} km/h. When does it catch up, if "
+        "it does?",
     ))
     return setup, step, question
 
@@ -166,8 +168,8 @@ def _ages(d: Dice, level: int):
 
 def _geometry(d: Dice, level: int):
     shape = d.pick(("rectangular garden", "square patio", "rectangular pool", "circular pond", "triangular plot"))
-    w, l = _n(d, 4, 20), _n(d, 6, 40)
-    setup = [f"A {shape} measures {w} meters by {l} meters."]
+    width, length = _n(d, 4, 20), _n(d, 6, 40)
+    setup = [f"A {shape} measures {width} meters by {length} meters."]
 
     def step() -> tuple[str, ...]:
         return (

@@ -1,4 +1,4 @@
-"""What the gateway knows of each instance: its last /metrics scrape plus its own accounting.
+"""The pool ledger: each instance's last /metrics scrape plus the gateway's own accounting.
 
 vLLM's metrics say how many requests run and wait, but not how much answer
 is still to come; the gateway knows that for what it dispatched (predicted
@@ -16,12 +16,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gateway.estimators.latency import tier_key
 from gateway.scheduling.budget import per_token
-from gateway.scheduling.policy import PoolView
-from gateway.telemetry import EngineSnapshot
+from gateway.scheduling.view import PoolView, tier_key
 
 DOWN_FOR_S = 2.0  # after a connect failure, skip the instance this long before trying it again
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The few numbers of one /metrics scrape the scheduler uses (gateway/telemetry.py reads them)."""
+
+    running: float
+    waiting: float
+    kv_usage: float  # 0..1, the mean over ranks
+    generation_tokens: float  # cumulative counter
+    prompt_tokens: float
+
+
 NO_SCRAPE = EngineSnapshot(0, 0, 0, 0, 0)
 
 
@@ -65,14 +76,14 @@ class InstanceState:
 
     def state(self, now: float = 0.0, tpot_s: float = 0.0, stale_after_s: float = float("inf"),
               max_num_seqs: int = 1 << 30) -> list[float]:
-        """The instance half of latency.FEATURES, best known at `now`.
+        """The instance's columns (view.STATE_FEATURES order), best known at `now`.
 
         A stale or missing scrape counts as nothing running; the gateway's own
         requests then stand in for running and waiting. A request answered
         in one piece is assumed to decode at the tier's prior TPOT after its
         dispatch, since nothing of it is seen before the end.
         """
-        snap = self.last if self.fresh(now, stale_after_s) else NO_SCRAPE
+        snap = self.last if self.last is not None and self.fresh(now, stale_after_s) else NO_SCRAPE
         own = len(self.in_flight)
         running = max(snap.running, min(own, max_num_seqs))
         waiting = max(snap.waiting, own - max_num_seqs)
@@ -86,12 +97,12 @@ class InstanceState:
         return [running, waiting, snap.kv_usage, rate, own, prefill, decode]
 
     def features(self, prompt_tokens: int, output_tokens: float, now: float = 0.0) -> list[float]:
-        """All of latency.FEATURES for a request about to be dispatched (training traces)."""
+        """A TPOT head's whole feature row for a request about to be dispatched (training traces)."""
         return [*self.state(now), prompt_tokens, output_tokens]
 
 
-class PoolAccounting:
-    """InstanceState per instance name, so the accounting survives config reloads."""
+class PoolLedger:
+    """InstanceState per instance name, so the ledger survives config reloads."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, InstanceState] = {}
@@ -113,16 +124,20 @@ class PoolAccounting:
         out = []
         for inst in instances:
             s = self.of(inst.name)
-            out.append(s.last.waiting if s.fresh(now, stale_after_s) else 0.0)
+            out.append(s.last.waiting if s.last is not None and s.fresh(now, stale_after_s) else 0.0)
         return out
 
     def snapshot(self, instances: tuple, now: float, stale_after_s: float) -> PoolView:
         states = [self.of(i.name) for i in instances]
-        rows = [s.state(now, i.tpot_prior_ms / 1000, stale_after_s, i.max_num_seqs) for s, i in zip(states, instances)]
+        rows = [s.state(now, i.tpot_prior_ms / 1000, stale_after_s, i.max_num_seqs)
+                for s, i in zip(states, instances, strict=True)]
+        columns = np.array(rows, dtype=np.float64).reshape(len(instances), 7).T.copy()
+        running, waiting, kv_usage, decode_rate, in_flight, pending_prefill, pending_decode = columns
         return PoolView(
             instances=instances,
             available=np.array([s.down_until <= now for s in states], dtype=bool),
-            state=np.array(rows, dtype=np.float64).reshape(len(instances), 7),
+            running=running, waiting=waiting, kv_usage=kv_usage, decode_rate=decode_rate, in_flight=in_flight,
+            pending_prefill=pending_prefill, pending_decode=pending_decode,
             max_num_seqs=np.array([i.max_num_seqs for i in instances], dtype=np.float64),
             price_in=np.array([per_token(i.price_input_per_mtok) for i in instances]),
             price_out=np.array([per_token(i.price_output_per_mtok) for i in instances]),

@@ -1,11 +1,13 @@
 """Check the emulated pool against the paper's testbed, in virtual time.
 
-    python -m gateway.engine.calibration
+    python -m gateway.emulator.calibration
 
 prints mean E2E for Poisson load sent only to the 72B tier (a quality-only
 router) and spread round-robin over the whole pool, at 6..30 req/s. The
 simulator of a later issue replaces this with full policies; this is the
-engine-only check the emulator's constants were tuned with.
+engine-only check the emulator's constants were tuned with. It lives with the
+emulator because it answers as the emulator does (its output lengths); the
+engine model itself knows nothing of either.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""What flows through the scheduling loop: requests, their estimates, decisions and outcomes.
+
+Plain data, no behaviour: the loop (scheduling/loop.py) moves a Ticket from
+arrival to completion, a policy turns a batch of RouteRequests (and, if it
+asks for them, their Estimates) into Decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request waiting for its instance, with its routing controls resolved."""
+
+    candidates: tuple[int, ...]  # indices into the config's instances this request may use
+    prompt_text: str  # what the estimators see
+    input_tokens: int  # counted (or estimated) prompt tokens, for the cost estimate
+    max_tokens: int | None  # what the client asked for
+    weights: tuple[float, float, float]  # Eq. 1 weights: quality, latency, cost (sum 1)
+    budget_usd: float | None = None
+    policy: str = "routebalance"  # a registered policy's name
+
+
+@dataclass(frozen=True, slots=True)
+class Estimates:
+    """Per-request, per-instance predictions for a batch (instance columns, not model columns)."""
+
+    quality: np.ndarray  # (n, I) predicted quality in [0, 1] of the instance's model
+    length: np.ndarray  # (n, I) predicted answer tokens of the instance's model
+    embeddings: np.ndarray | None = None  # (n, d) L2-normalised prompt embeddings
+
+    def rows(self, rows: list[int]) -> Estimates:
+        """The estimates of these requests of the batch, in this order."""
+        if rows == list(range(len(self.quality))):
+            return self
+        idx = np.array(rows, dtype=np.int64)
+        return Estimates(self.quality[idx], self.length[idx], None if self.embeddings is None else self.embeddings[idx])
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request is not served, as the client will hear it."""
+
+    status: int  # HTTP status: 402 budget, 503 policy unavailable, ...
+    message: str
+    reason: str  # short label for metrics: "budget", "policy_unavailable", ...
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes: `ranked[0]`, then the rest in order if it fails before its first byte."""
+
+    ranked: tuple[int, ...]
+    quality: float | None = None  # predictions for ranked[0], reported in headers and metrics
+    cost_usd: float | None = None
+    latency_s: float | None = None
+    tokens: float | None = None
+    refused: Refusal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchPlan:
+    """One attempt: the instance, and the max_tokens to send it (the budget's clamp applied)."""
+
+    instance: int  # index into the ticket's config's instances
+    max_tokens: int | None
+    clamped: bool  # the budget lowered max_tokens below what the client asked
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """How a request ended, for policies that learn (on_complete)."""
+
+    ok: bool
+    instance: int | None  # where it was served (None: never dispatched)
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request from arrival to completion; also its key in the pool ledger.
+
+    `model` is what the client asked for, so the candidates can be found again
+    if the config is reloaded while the request waits; `config` is the config
+    whose instance indices the candidates (and, once decided, the decision)
+    use. `handle` is the driver's own (a future live, a request index in the
+    simulator).
+    """
+
+    request: RouteRequest
+    model: str
+    streaming: bool
+    config: Any = field(repr=False)
+    arrived: float = 0.0
+    handle: Any = field(default=None, repr=False)
+    decision: Decision | None = None
+    decided_by: Any = field(default=None, repr=False)  # the policy object that decided it (it hears the hooks)
+    booked_on: str | None = None  # the instance it is entered under in the pool ledger

@@ -1,0 +1,64 @@
+"""The terms of the paper's Eq. 1, as small functions a policy composes.
+
+Each term maps one request's candidates to [0, 1], higher is better:
+
+    score = w_q * quality_term + w_c * cost_term + w_l * latency_term
+
+Cost and latency are scaled by the candidates' maxima (1 - x / max x), so a
+6x cheaper candidate counts in proportion rather than all or nothing; a term
+whose maximum is 0 (every candidate free, or latency off) is equal for all.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+QualityTerm = Literal["raw", "minmax"]
+
+
+def quality_term(quality: np.ndarray, mode: QualityTerm = "raw") -> np.ndarray:
+    """Predicted quality as is ("raw"), or min-max normalised over the candidates."""
+    return min_max(quality) if mode == "minmax" else quality
+
+
+def cost_term(cost_usd: np.ndarray) -> np.ndarray:
+    return 1.0 - _share_of_max(cost_usd)
+
+
+def latency_term(latency_s: np.ndarray) -> np.ndarray:
+    return 1.0 - _share_of_max(latency_s)
+
+
+def eq1(weights: tuple[float, float, float], quality: np.ndarray, cost_usd: np.ndarray,
+        latency_s: np.ndarray) -> np.ndarray:
+    """Eq. 1 over one request's candidates; `weights` are (quality, latency, cost) and `quality` is
+    already the quality term."""
+    w_q, w_l, w_c = weights
+    return w_q * quality + w_c * cost_term(cost_usd) + w_l * latency_term(latency_s)
+
+
+def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, running: np.ndarray,
+                     waiting: np.ndarray, max_num_seqs: np.ndarray) -> np.ndarray:
+    """Seconds to the end of the answer (paper section 4.2).
+
+    With a free decode slot (fewer running than max_num_seqs and nobody
+    waiting) the request decodes at once: L x tpot. Otherwise it first waits
+    through d/b iterations of the running batch (d pending decode tokens over
+    b running sequences): (d/b + L) x tpot. A queue with free slots means the
+    KV cache is full, so it waits then too.
+    """
+    busy = (running >= max_num_seqs) | (waiting > 0)
+    wait = np.where(busy, pending_decode / np.maximum(running, 1), 0.0)
+    return tpot_s * (wait + length)
+
+
+def min_max(x: np.ndarray) -> np.ndarray:
+    lo, hi = x.min(), x.max()
+    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
+
+
+def _share_of_max(x: np.ndarray) -> np.ndarray:
+    top = x.max()
+    return x / top if top > 0 else np.zeros_like(x)

@@ -1,0 +1,187 @@
+"""The policy registry is open: a policy written and registered here, outside the package,
+with its own config table, routes live requests on the emulator and runs in the simulator.
+
+The policy is earliest-deadline-first: its `order` hook sorts the waiting
+requests by a deadline (arrival + slack per prompt token, the slack read from
+its own table [policies.edf_test]) and its `assign` takes the candidate with
+the fewest requests on it. Nothing in gateway/ knows its name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+
+import numpy as np
+import openai
+import pytest
+
+from conftest import Stack, pool_config, wait_for
+from gateway.config import BatchRule
+from gateway.config_schema import Section, option, section
+from gateway.scheduling.ledger import PoolLedger
+from gateway.scheduling.loop import SchedulingLoop
+from gateway.scheduling.policies import registry
+from gateway.scheduling.policies.base import Policy, PolicyEntry
+from gateway.scheduling.request import Completion, Decision, RouteRequest, Ticket
+from gateway.sim.arrivals import ArrivalSpec
+from gateway.sim.evalset import load_evalset
+from gateway.sim.simulator import CellSpec, run_cell, with_batching
+
+NAME = "edf_test"
+
+
+@section
+class EdfOptions(Section):
+    slack_s_per_token: float = option(0.5, gt=0)  # deadline = arrival + this x prompt tokens
+    assign_s: float = option(0.0, ge=0)  # simulated compute per batch, so requests pile up
+
+
+class EarliestDeadlineFirst(Policy):
+    name = NAME
+
+    built: list[EarliestDeadlineFirst] = []  # every object the registry built, newest last
+
+    def __init__(self, options: EdfOptions):
+        self.options = options
+        self.built.append(self)
+        self.waiting: list[list[str]] = []  # what waited, in arrival order, at every call of the hook
+        self.orders: list[list[str]] = []  # every order the hook returned (prompts)
+        self.batches: list[list[str]] = []  # every batch assign got (prompts)
+        self.gate: threading.Event | None = None  # set by the live test to hold the worker once
+
+    def deadline(self, ticket: Ticket) -> float:
+        return ticket.arrived + self.options.slack_s_per_token * ticket.request.input_tokens
+
+    def order(self, waiting, view, now):
+        ordered = sorted(waiting, key=self.deadline)
+        self.waiting.append([t.request.prompt_text for t in waiting])
+        self.orders.append([t.request.prompt_text for t in ordered])
+        return ordered
+
+    def assign(self, batch, estimates, view):
+        if self.gate is not None:
+            gate, self.gate = self.gate, None
+            gate.wait(10)
+        self.batches.append([r.prompt_text for r in batch])
+        out = []
+        for req in batch:
+            best = min(req.candidates, key=lambda i: (view.active[i], i))
+            view.dispatched(best, 0.0, req.input_tokens)
+            out.append(Decision((best, *(i for i in req.candidates if i != best))))
+        return out
+
+    def compute_s(self, batch_size, cost):
+        return self.options.assign_s
+
+
+@pytest.fixture
+def edf():
+    registry.register_options(NAME, EdfOptions)
+    registry.register(PolicyEntry(NAME, lambda ctx: EarliestDeadlineFirst(ctx.options(NAME)), "test: EDF"))
+    yield
+    registry.unregister(NAME)
+
+
+def built_policy(stack) -> EarliestDeadlineFirst:
+    cfg = stack.store.current
+    return stack.gateway.scheduler.core.policies(cfg).get(NAME)
+
+
+def test_a_policy_registered_outside_the_package_routes_live_requests(edf, tmp_path):
+    path = pool_config(tmp_path, scheduler={"policy": NAME}, policies={NAME: {"slack_s_per_token": 2.0}})
+    stack = Stack(path)
+    try:
+        policy = built_policy(stack)
+        assert policy.options.slack_s_per_token == 2.0  # its own table, validated by its own section
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", timeout=60, max_retries=0)
+        first = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "warm"}], max_tokens=4)
+        assert first.parse().choices[0].message.content
+        assert first.headers["X-Route-Instance"] == stack.store.current.instances[0].name  # fewest, lowest index
+        # Hold the worker on the next batch, so the following requests wait together in the queue.
+        gate = policy.gate = threading.Event()
+        prompts = ["a " * n for n in (300, 20, 150, 5, 80)]  # deadlines follow the prompt sizes
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            blocker = pool.submit(client.completions.create, model="auto", prompt="blocker", max_tokens=4)
+            wait_for(lambda: policy.gate is None, what="the worker to take the blocking batch")
+            waiting = [pool.submit(client.completions.create, model="auto", prompt=p, max_tokens=4) for p in prompts]
+            wait_for(lambda: len(stack.gateway.scheduler.core.queue) == len(prompts), what="the requests to queue")
+            gate.set()
+            answers = [f.result(30) for f in waiting]
+            blocker.result(30)
+        assert all(a.choices[0].text for a in answers)
+        # The batch after the blocker took them earliest deadline first, not in arrival order.
+        after = policy.batches[-1]
+        assert after == sorted(prompts, key=len)
+        assert policy.orders[-1][:len(prompts)] == after
+    finally:
+        stack.stop()
+
+
+def test_the_same_policy_runs_in_the_simulator(edf, built):
+    cfg, _, est = built
+    # Batches of at most 4 and 50 ms of compute each: requests pile up, and the hook picks who goes first.
+    cfg = with_batching(cfg.with_options(NAME, assign_s=0.05), rules=(BatchRule(below=1.01, size=4, window_ms=0.0),))
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=NAME))
+    ev = load_evalset(cfg, 200, estimators=est)
+    result = run_cell(cfg, ev, CellSpec(NAME, arrivals=ArrivalSpec(rate=150.0), requests=200, seed=1), est)
+    policy = EarliestDeadlineFirst.built[-1]
+    assert all(o.instance >= 0 and np.isfinite(o.finished) for o in result.outcomes)
+    assert sum(result.batches) == 200 and max(result.batches) == 4
+    assert len(policy.batches) == len(result.batches)
+    for order, batch in zip(policy.orders, policy.batches, strict=True):
+        assert batch == order[:len(batch)]  # the loop took the policy's order
+    assert any(order != waited
+               for order, waited in zip(policy.orders, policy.waiting, strict=True))  # and it was not FCFS
+
+
+class HoldWhileBusy(Policy):
+    """Everything to instance 0, at most one request on it at a time: the others wait in the gateway."""
+
+    name = "hold_test"
+
+    def assign(self, batch, estimates, view):
+        return [Decision((0,)) for _ in batch]
+
+    def hold(self, ticket, view):
+        return view.in_flight[0] >= 1
+
+
+def test_hold_keeps_decided_requests_in_the_gateway_until_the_policy_lets_go(built):
+    registry.register(PolicyEntry("hold_test", lambda ctx: HoldWhileBusy(), "test: request pulling"))
+    try:
+        cfg = built[0]
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="hold_test"))
+        ledger = PoolLedger()
+        core = SchedulingLoop(ledger, max_queue=8, resolve=lambda _cfg, _model: (0,))
+        tickets = [Ticket(RouteRequest((0,), f"p{k}", 10, 16, (1.0, 0.0, 0.0), policy="hold_test"), "auto", True, cfg)
+                   for k in range(3)]
+        for k, t in enumerate(tickets):
+            assert core.submit(t, float(k))
+        batch, failed = core.take(cfg, core.limit(cfg, 3.0), 3.0)
+        assert batch == tickets and not failed
+        ready = core.settle(batch, core.decide(cfg, batch, core.view(cfg, 3.0), estimate=None), 3.0)
+        first = cfg.instances[0].name
+        assert ready == tickets[:1] and core.held == tickets[1:]
+        assert set(ledger.of(first).in_flight) == {tickets[0]}  # held requests are not on the instance
+        assert core.release_held(3.5) == []
+        core.complete(tickets[0], Completion(True, 0, 16), 4.0)
+        assert core.release_held(4.0) == tickets[1:2] and core.held == tickets[2:]
+        assert set(ledger.of(first).in_flight) == {tickets[1]}
+        core.withdraw(tickets[2], 4.5)  # its client left while held
+        assert core.held == [] and core.release_held(5.0) == []
+    finally:
+        registry.unregister("hold_test")
+
+
+def test_the_cli_and_the_readme_list_what_is_registered(capsys):
+    from pathlib import Path
+
+    from gateway.cli import main
+
+    assert main(["policies"]) == 0
+    listed = capsys.readouterr().out.strip()
+    assert listed == registry.table() and all(f"`{name}`" in listed for name in registry.names())
+    assert listed in (Path(__file__).resolve().parent.parent / "README.md").read_text()
