@@ -21,7 +21,7 @@ from gateway.api.errors import ApiError
 from gateway.config import Config, ConfigStore
 from gateway.metrics import GatewayMetrics
 from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.loop import SchedulingLoop
+from gateway.scheduling.loop import Decided, SchedulingLoop
 from gateway.scheduling.request import Completion, Decision, Refusal, RouteRequest, Ticket
 from gateway.scheduling.view import PoolView
 
@@ -64,7 +64,8 @@ class Scheduler:
     async def decide(self, request: RouteRequest, model: str, streaming: bool, config: Config) -> Ticket:
         """Queue the request for the next batch and wait for its decision (429 if the queue is full).
 
-        The caller must hand the returned ticket to `complete` when the request ends."""
+        The caller must hand the returned ticket to `complete` when the request ends,
+        refused or served."""
         loop = asyncio.get_running_loop()
         ticket = Ticket(request, model, streaming, config, handle=loop.create_future())
         if not self.core.submit(ticket, loop.time()):
@@ -74,8 +75,8 @@ class Scheduler:
         self.wakeup.set()
         try:
             await ticket.handle
-        except asyncio.CancelledError:
-            self.core.withdraw(ticket, loop.time())  # decided just before the client left: undo its booking
+        except BaseException:  # the client left, or its batch failed: undo whatever was booked
+            self.core.withdraw(ticket, loop.time())
             raise
         return ticket
 
@@ -85,34 +86,51 @@ class Scheduler:
         if self.core.held:
             self.wakeup.set()
 
+    def warm_up(self, request: RouteRequest) -> Refusal | None:
+        """Build the serving policy and make one decision before serving, so the first requests
+        do not pay for lazy loading. The decision runs on a scratch loop: the policies that serve
+        keep no trace of it (a round robin's turn, say)."""
+        cfg = self.store.current
+        self.core.policies(cfg).get(cfg.scheduler.policy)
+        scratch = SchedulingLoop(PoolLedger(), 1, self.core.resolve, self.estimators)
+        [(decision, _)], _ = self.decide_now(cfg, [Ticket(request, "", False, cfg)], scratch.view(cfg, 0.0), scratch)
+        return decision.refused
+
     # ---- the batch loop --------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            cfg = self.store.current
-            now = loop.time()
-            for ticket in self.core.release_held(now):
-                _resolve(ticket)
-            limit = self.core.limit(cfg, now)
-            at = self.core.fire_at(limit, now)
-            if at is None or at > now:
-                # Held requests are asked again when a request completes or a scrape may have freed room.
-                poll = cfg.telemetry.scrape_interval_s if self.core.held else None
-                delays = [d for d in (poll, None if at is None else at - now) if d is not None]
-                await self._sleep(min(delays) if delays else None)
-                continue
-            policies = self.core.policies(cfg)
-            if not policies.built(cfg.scheduler.policy):  # build it off the loop (clustering, loading)
-                await loop.run_in_executor(self.executor, policies.get, cfg.scheduler.policy)
-            batch, failed = self.core.take(cfg, limit, loop.time())
-            for ticket, error in failed:
-                _fail(ticket, error)
             try:
-                await self._fire(cfg, batch)
-            except Exception as e:  # a broken batch must fail its requests, never hang them or stop the loop
-                log.exception("scheduling a batch failed")
-                for ticket in batch:
-                    _fail(ticket, ApiError(500, f"scheduling failed: {e.__class__.__name__}"))
+                await self._step()
+            except Exception:  # the loop must outlive any failure: log it, pause a moment, go on
+                log.exception("a scheduling step failed")
+                await asyncio.sleep(0.01)
+
+    async def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.store.current
+        now = loop.time()
+        for ticket in self.core.release_held(now):
+            _wake(ticket)
+        limit = self.core.limit(cfg, now)
+        at = self.core.fire_at(limit, now)
+        if at is None or at > now:
+            # Held requests are asked again when a request completes or a scrape may have freed room.
+            poll = cfg.telemetry.scrape_interval_s if self.core.held else None
+            delays = [d for d in (poll, None if at is None else at - now) if d is not None]
+            await self._sleep(min(delays) if delays else None)
+            return
+        policies = self.core.policies(cfg)
+        if not policies.built(cfg.scheduler.policy):  # build it off the loop (clustering, loading)
+            await loop.run_in_executor(self.executor, policies.get, cfg.scheduler.policy)
+        batch, failed = self.core.take(cfg, limit, loop.time())
+        for ticket, error in failed:
+            _fail(ticket, error)
+        try:
+            await self._fire(cfg, batch)
+        except Exception as e:  # a broken batch must fail its requests, never hang them
+            log.exception("scheduling a batch failed")
+            for ticket in batch:
+                _fail(ticket, ApiError(500, f"scheduling failed: {e.__class__.__name__}"))
 
     async def _sleep(self, delay: float | None) -> None:
         """Until woken (an arrival, a completion) or `delay` seconds pass (None: no limit)."""
@@ -129,35 +147,24 @@ class Scheduler:
             return
         fired = loop.time()
         view = self.core.view(cfg, fired)
-        decisions, timings = await loop.run_in_executor(self.executor, self.decide_now, cfg, batch, view)
+        decided, timings = await loop.run_in_executor(self.executor, self.decide_now, cfg, batch, view)
         m = self.metrics
         m.batch_size.observe(len(batch))
         m.estimate_seconds.observe(timings.estimate_s)
         m.score_seconds.observe(timings.score_s)
         now = loop.time()
         # A client may have left while its batch was scored: its request is not booked.
-        here = [(t, d) for t, d in zip(batch, decisions, strict=True) if not t.handle.done()]
-        for ticket, d in here:
+        here = [(t, d) for t, d in zip(batch, decided, strict=True) if not t.handle.done()]
+        for ticket, (d, _) in here:
             m.batch_wait.observe(fired - ticket.arrived)
             m.decision_seconds.observe(now - ticket.arrived)
             if d.ranked:
                 _observe_decision(m, ticket.request.policy, cfg.instances[d.ranked[0]].model, d)
         for ticket in self.core.settle([t for t, _ in here], [d for _, d in here], now):
-            _resolve(ticket)
-        for ticket, d in here:
-            if d.refused is not None:
-                _resolve(ticket)
-
-    def warm_up(self, request: RouteRequest) -> Refusal | None:
-        """One decision before serving, so the first requests do not pay for lazy loading. It runs on a
-        scratch loop: the policies that serve keep no trace of it (a round robin's turn, say)."""
-        cfg = self.store.current
-        scratch = SchedulingLoop(PoolLedger(), 1, self.core.resolve, self.estimators)
-        [decision], _ = self.decide_now(cfg, [Ticket(request, "", False, cfg)], scratch.view(cfg, 0.0), scratch)
-        return decision.refused
+            _wake(ticket)
 
     def decide_now(self, cfg: Config, batch: list[Ticket], view: PoolView,
-                   core: SchedulingLoop | None = None) -> tuple[list[Decision], BatchTimings]:
+                   core: SchedulingLoop | None = None) -> tuple[list[Decided], BatchTimings]:
         """The core's decisions for a batch, timed (in the worker thread)."""
         timings = BatchTimings()
 
@@ -168,12 +175,13 @@ class Scheduler:
             return est
 
         start = time.perf_counter()
-        decisions = (core or self.core).decide(cfg, batch, view, estimate)
+        decided = (core or self.core).decide(cfg, batch, view, estimate)
         timings.score_s = time.perf_counter() - start - timings.estimate_s
-        return decisions, timings
+        return decided, timings
 
 
-def _resolve(ticket: Ticket) -> None:
+def _wake(ticket: Ticket) -> None:
+    """Hand a ticket back to its handler: decided (dispatch it, or answer its refusal)."""
     if not ticket.handle.done():
         ticket.handle.set_result(None)
 

@@ -179,10 +179,11 @@ class Gateway:
                 policy=req.routing.policy or cfg.scheduler.policy,
             )
             ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg)
-            decision = ticket.decision
-            if decision.refused:
-                self.metrics.rejected.labels(decision.refused.reason).inc()
-                raise refusal_error(decision.refused)
+            refused = ticket.decision.refused
+            if refused:
+                self.scheduler.complete(ticket, Completion(False, None))
+                self.metrics.rejected.labels(refused.reason).inc()
+                raise refusal_error(refused)
             cfg = ticket.config  # the decision's instance indices are this config's
             resp = None
             try:

@@ -124,7 +124,6 @@ def test_the_same_policy_runs_in_the_simulator(edf, built):
     cfg, _, est = built
     # Batches of at most 4 and 50 ms of compute each: requests pile up, and the hook picks who goes first.
     cfg = with_batching(cfg.with_options(NAME, assign_s=0.05), rules=(BatchRule(below=1.01, size=4, window_ms=0.0),))
-    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=NAME))
     ev = load_evalset(cfg, 200, estimators=est)
     result = run_cell(cfg, ev, CellSpec(NAME, arrivals=ArrivalSpec(rate=150.0), requests=200, seed=1), est)
     policy = EarliestDeadlineFirst.built[-1]
@@ -185,3 +184,71 @@ def test_the_cli_and_the_readme_list_what_is_registered(capsys):
     listed = capsys.readouterr().out.strip()
     assert listed == registry.table() and all(f"`{name}`" in listed for name in registry.names())
     assert listed in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+class Faulty(Policy):
+    """A plug-in with bugs: each hook named in `broken` raises; `assign` may also choose nothing."""
+
+    name = "faulty_test"
+
+    def __init__(self, broken=(), choose_nothing=False):
+        self.broken, self.choose_nothing = set(broken), choose_nothing
+        self.completed: list[bool] = []
+
+    def _maybe_raise(self, hook):
+        if hook in self.broken:
+            raise KeyError(hook)
+
+    def admit(self, request, view):
+        self._maybe_raise("admit")
+        return None
+
+    def order(self, waiting, view, now):
+        self._maybe_raise("order")
+        return []  # names nobody: the queue must still move, in arrival order
+
+    def assign(self, batch, estimates, view):
+        self._maybe_raise("assign")
+        return [Decision(()) if self.choose_nothing else Decision((0, 99)) for _ in batch]  # 99: not a candidate
+
+    def hold(self, ticket, view):
+        self._maybe_raise("hold")
+        return False
+
+    def on_complete(self, ticket, completion, now):
+        self._maybe_raise("on_complete")
+        self.completed.append(completion.ok)
+
+
+@pytest.mark.parametrize(("broken", "choose_nothing", "status"), [
+    ((), False, None), (("order", "on_complete"), False, None), (("admit",), False, 500), (("assign",), False, 500),
+    (("hold",), False, 500), ((), True, 503)])
+def test_a_faulty_policy_costs_only_its_own_requests_and_never_stops_the_loop(built, broken, choose_nothing, status):
+    faulty = Faulty(broken, choose_nothing)
+    registry.register(PolicyEntry("faulty_test", lambda ctx: faulty, "test: a buggy plug-in"))
+    try:
+        cfg = built[0]
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="faulty_test"))
+        core = SchedulingLoop(PoolLedger(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
+        tickets = [Ticket(RouteRequest((0, 1), f"p{k}", 10, 16, (1.0, 0.0, 0.0), policy=name), "auto", True, cfg)
+                   for k, name in enumerate(["faulty_test", "passthrough+round_robin", "faulty_test"])]
+        for k, t in enumerate(tickets):
+            core.submit(t, float(k))
+        batch, _ = core.take(cfg, None, 3.0)
+        assert batch == tickets  # `order` named nobody (or raised): first come, first served
+        back = core.settle(batch, core.decide(cfg, batch, core.view(cfg, 3.0), estimate=None), 3.0)
+        assert back == tickets and not core.held
+        mine, other = [tickets[0], tickets[2]], tickets[1]
+        assert other.decision.refused is None and other.decision.ranked  # the other policy is untouched
+        for t in mine:
+            if status is None:
+                assert t.decision.ranked == (0,)  # the instance outside the candidates was dropped
+            else:
+                assert t.decision.ranked == () and t.decision.refused.status == status
+        for t in tickets:
+            core.complete(t, Completion(t.decision.refused is None, 0), 4.0)
+        assert not any(core.ledger.of(i.name).in_flight for i in cfg.instances)  # nothing left booked
+        if "on_complete" not in broken:
+            assert faulty.completed == [status is None] * 2  # refused requests end in on_complete too
+    finally:
+        registry.unregister("faulty_test")

@@ -81,13 +81,17 @@ class BatchQueue(Generic[T]):
     def take(self, size: int, order: Callable[[list[T]], Sequence[T]] | None = None) -> list[tuple[float, T]]:
         """Up to `size` requests with their arrival times: the oldest, or the first in `order`.
 
-        `order` ranks every waiting request (a policy's `order` hook, e.g. earliest
-        deadline first); those not taken stay queued in arrival order, so a
-        window still runs from the oldest request."""
+        `order` ranks the waiting requests (a policy's `order` hook, e.g. earliest
+        deadline first); any it leaves out rank after those it names, in arrival
+        order, so a batch is never empty while requests wait. Those not taken stay
+        queued in arrival order, so a window still runs from the oldest request."""
         if order is None:
             return [self._items.popleft() for _ in range(min(size, len(self._items)))]
         arrived = {id(item): at for at, item in self._items}
-        chosen = list(order([item for _, item in self._items]))[:size]
+        ranked = [item for item in dict.fromkeys(order([item for _, item in self._items])) if id(item) in arrived]
+        named = {id(item) for item in ranked}
+        ranked += [item for _, item in self._items if id(item) not in named]
+        chosen = ranked[:size]
         taken = {id(item) for item in chosen}
         self._items = deque(entry for entry in self._items if id(entry[1]) not in taken)
         return [(arrived[id(item)], item) for item in chosen]

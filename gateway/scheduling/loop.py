@@ -8,9 +8,16 @@ are two thin drivers of this object. A driver calls, in this order:
     limit(cfg, now), fire_at(...)           when the next batch may fire
     take(cfg, limit, now)                   form the batch (the default policy's `order`)
     view(cfg, now); decide(...)             estimate once, admit and assign per policy
-    settle(tickets, outcomes, now)          book each decided request on its first dispatch plan
+    settle(batch, decided, now)             book each decided request on its first dispatch plan
+    release_held(now)                       held requests whose policy lets them go
     plans(ticket, now) / dispatched(...)    the ranked attempts, each with its budget clamp
     progress / first_token / complete       what came back; the ledger and the policy hear it
+
+`decide` touches no ticket (live it runs in a worker thread while the event
+loop may withdraw a ticket whose client left); everything else runs on the
+driver's own thread. A policy's hook that raises costs only its own requests
+(a refusal with status 500) or, for `order` and the lifecycle events, is
+logged and passed over: a plug-in cannot stop the loop.
 
 No clock is read and nothing here does I/O; estimating is a function the
 driver passes in (the real estimators live, cached estimates simulated).
@@ -19,6 +26,7 @@ driver passes in (the real estimators live, cached estimates simulated).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,8 +38,14 @@ from gateway.scheduling.policies.base import Policy
 from gateway.scheduling.request import Completion, Decision, DispatchPlan, Estimates, Refusal, Ticket
 from gateway.scheduling.view import PoolView
 
+log = logging.getLogger("routebalance.scheduling")
+
 EstimateFn = Callable[[Sequence[Ticket]], Estimates]  # the batch's tickets that need estimates -> their rows
-Outcome = Decision | Exception  # what `decide` gives each ticket: a decision, or why its batch could not decide it
+Decided = tuple[Decision, Policy | None]  # a ticket's decision and the policy that made it (None: none could)
+
+
+def _policy_error(hook: str, e: Exception) -> Refusal:
+    return Refusal(500, f"the routing policy failed in `{hook}`: {e.__class__.__name__}", "policy_error")
 
 
 class PolicySet:
@@ -58,7 +72,7 @@ class PolicySet:
                            "policy_unavailable")
         try:
             return registry.build(name, self.config, self.estimators)
-        except ValueError as e:
+        except Exception as e:  # a plug-in's constructor may raise anything: its requests are refused
             return Refusal(503, f"policy {name!r} is unavailable: {e}", "policy_unavailable")
 
 
@@ -86,7 +100,7 @@ class SchedulingLoop:
         return self.queue.push(ticket, now)
 
     def withdraw(self, ticket: Ticket, now: float) -> None:
-        """The client left before its request was dispatched: forget it wherever it is."""
+        """The request will not be dispatched (its client left, or its batch failed): forget it wherever it is."""
         self.queue.remove(ticket)
         if ticket in self.held:
             self.held.remove(ticket)
@@ -109,8 +123,9 @@ class SchedulingLoop:
         return self.queue.closes_at(limit)
 
     def take(self, cfg, limit: BatchLimit | None, now: float) -> tuple[list[Ticket], list[tuple[Ticket, Exception]]]:
-        """The next batch, in the default policy's order, and the requests that failed to re-resolve
-        their candidates under this config (their model left the pool with a reload)."""
+        """The next batch (never empty while requests wait), in the default policy's order, and the
+        requests that failed to re-resolve their candidates under this config (their model left
+        the pool with a reload)."""
         size = limit.size if limit is not None else max(rule.size for rule in cfg.batching.rules)
         default = self.policies(cfg).get(cfg.scheduler.policy)
         order = None
@@ -118,7 +133,12 @@ class SchedulingLoop:
             view = self.view(cfg, now)
 
             def order(waiting: list[Ticket]) -> Sequence[Ticket]:
-                return default.order(waiting, view, now)
+                try:
+                    return default.order(waiting, view, now)
+                except Exception:
+                    log.exception("policy %s failed in `order`; this batch is taken first come, first served",
+                                  cfg.scheduler.policy)
+                    return waiting
         batch, failed = [], []
         for _, ticket in self.queue.take(size, order):
             try:
@@ -139,58 +159,84 @@ class SchedulingLoop:
         return self.ledger.snapshot(cfg.instances, now, cfg.telemetry.stale_after_s)
 
     # ---- deciding (live: in the worker thread) -----------------------------------
-    def decide(self, cfg, batch: Sequence[Ticket], view: PoolView, estimate: EstimateFn) -> list[Decision]:
-        """One Decision per ticket: admitted, estimated once for the whole batch, assigned by its policy.
+    def decide(self, cfg, batch: Sequence[Ticket], view: PoolView, estimate: EstimateFn) -> list[Decided]:
+        """A decision per ticket: admitted, estimated once for the whole batch, assigned by its policy.
 
         Policies run one after another on the same view, so each sees what the
-        others dispatched. A policy that cannot run refuses only its own requests."""
+        others dispatched. A policy that cannot run, or whose hook raises,
+        refuses only its own requests. Reads the tickets, never writes them."""
         policies = self.policies(cfg)
-        out: dict[int, Decision] = {}
+        out: dict[int, Decided] = {}
         groups: dict[str, list[int]] = {}
         for k, ticket in enumerate(batch):
             policy = policies.get(ticket.request.policy)
-            refused = policy if isinstance(policy, Refusal) else policy.admit(ticket.request, view)
-            if refused is not None:
-                out[k] = Decision((), refused=refused)
+            if isinstance(policy, Refusal):
+                out[k] = (Decision((), refused=policy), None)
                 continue
-            ticket.decided_by = policy
+            try:
+                refused = policy.admit(ticket.request, view)
+            except Exception as e:
+                log.exception("policy %s failed in `admit`", ticket.request.policy)
+                refused = _policy_error("admit", e)
+            if refused is not None:
+                out[k] = (Decision((), refused=refused), policy)
+                continue
             groups.setdefault(ticket.request.policy, []).append(k)
-        wanted = [k for rows in groups.values() if batch[rows[0]].decided_by.needs_estimates for k in rows]
+        wanted = [k for name, rows in groups.items() if _needs_estimates(policies.get(name)) for k in rows]
         estimates = estimate([batch[k] for k in wanted]) if wanted else None
         row_of = {k: j for j, k in enumerate(wanted)}
-        for rows in groups.values():
-            policy = batch[rows[0]].decided_by
+        for name, rows in groups.items():
+            policy = policies.get(name)
+            assert isinstance(policy, Policy)  # grouped only when it could be built
             est = (estimates.rows([row_of[k] for k in rows])
                    if estimates is not None and policy.needs_estimates else None)
-            for k, d in zip(rows, policy.assign([batch[k].request for k in rows], est, view), strict=True):
-                out[k] = d
+            try:
+                decisions = policy.assign([batch[k].request for k in rows], est, view)
+                if len(decisions) != len(rows):
+                    raise ValueError(f"assign gave {len(decisions)} decisions for {len(rows)} requests")
+            except Exception as e:
+                log.exception("policy %s failed in `assign`", name)
+                decisions = [Decision((), refused=_policy_error("assign", e))] * len(rows)
+            for k, d in zip(rows, decisions, strict=True):
+                out[k] = (_checked(d, batch[k]), policy)
         return [out[k] for k in range(len(batch))]
 
     # ---- booking -------------------------------------------------------------
-    def settle(self, batch: Sequence[Ticket], decisions: Sequence[Decision], now: float) -> list[Ticket]:
+    def settle(self, batch: Sequence[Ticket], decided: Sequence[Decided], now: float) -> list[Ticket]:
         """Record each decision; book the request on its first dispatch plan so the next
-        batch's view counts it. Returns the tickets ready to dispatch (not held, not refused)."""
-        ready = []
-        for ticket, d in zip(batch, decisions, strict=True):
-            ticket.decision = d
-            if not d.ranked:
-                continue
-            if ticket.decided_by.overrides("hold") and ticket.decided_by.hold(ticket, self.view(ticket.config, now)):
-                self.held.append(ticket)
-                continue
-            self._book_first(ticket, now)
-            ready.append(ticket)
-        return ready
+        batch's view counts it. Returns the tickets to hand back now: ready to dispatch, or
+        refused (`ticket.decision.refused`); the held ones come later from `release_held`."""
+        out = []
+        for ticket, (d, policy) in zip(batch, decided, strict=True):
+            ticket.decision, ticket.decided_by = d, policy
+            if d.refused is None and policy is not None and policy.overrides("hold"):
+                try:
+                    if policy.hold(ticket, self.view(ticket.config, now)):
+                        self.held.append(ticket)
+                        continue
+                except Exception as e:
+                    log.exception("policy %s failed in `hold`", ticket.request.policy)
+                    ticket.decision = Decision((), refused=_policy_error("hold", e))
+            if ticket.decision.refused is None:
+                self._book_first(ticket, now)
+            out.append(ticket)
+        return out
 
     def release_held(self, now: float) -> list[Ticket]:
-        """The held requests whose policy lets them go now, booked and ready to dispatch."""
-        ready = []
+        """The held requests whose policy lets them go now, booked: ready to dispatch (or refused)."""
+        out = []
         for ticket in list(self.held):
-            if not ticket.decided_by.hold(ticket, self.view(ticket.config, now)):
-                self.held.remove(ticket)
+            try:
+                if ticket.decided_by.hold(ticket, self.view(ticket.config, now)):
+                    continue
+            except Exception as e:
+                log.exception("policy %s failed in `hold`", ticket.request.policy)
+                ticket.decision = Decision((), refused=_policy_error("hold", e))
+            self.held.remove(ticket)
+            if ticket.decision is not None and ticket.decision.refused is None:
                 self._book_first(ticket, now)
-                ready.append(ticket)
-        return ready
+            out.append(ticket)
+        return out
 
     def _book_first(self, ticket: Ticket, now: float) -> None:
         first = next(self.plans(ticket, now), None)
@@ -217,8 +263,7 @@ class SchedulingLoop:
     def dispatched(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:
         """An attempt goes out on `plan`: the request's booking moves there if it was elsewhere."""
         self._book(ticket, plan.instance, now)
-        if ticket.decided_by is not None:
-            ticket.decided_by.on_dispatch(ticket, plan, now)
+        self._tell(ticket.decided_by, "on_dispatch", ticket, plan, now)
 
     def _book(self, ticket: Ticket, i: int, now: float) -> None:
         name = ticket.config.instances[i].name
@@ -241,12 +286,37 @@ class SchedulingLoop:
             self.ledger.of(ticket.booked_on).streamed(ticket, tokens)
 
     def first_token(self, ticket: Ticket, now: float) -> None:
-        if ticket.decided_by is not None:
-            ticket.decided_by.on_first_token(ticket, now)
+        self._tell(ticket.decided_by, "on_first_token", ticket, now)
 
     def complete(self, ticket: Ticket, completion: Completion, now: float) -> None:
-        """The request is over: out of the ledger, and its policy hears how it went (once)."""
+        """The request is over, served or not: out of the ledger, and its policy hears how it went (once)."""
         self._unbook(ticket)
         policy, ticket.decided_by = ticket.decided_by, None
-        if policy is not None:
-            policy.on_complete(ticket, completion, now)
+        self._tell(policy, "on_complete", ticket, completion, now)
+
+    @staticmethod
+    def _tell(policy: Policy | None, hook: str, *args: Any) -> None:
+        """A lifecycle event for the policy; one that raises is logged and the request goes on."""
+        if policy is None:
+            return
+        try:
+            getattr(policy, hook)(*args)
+        except Exception:
+            log.exception("policy %s failed in `%s`", policy.name, hook)
+
+
+def _needs_estimates(policy: Policy | Refusal) -> bool:
+    return isinstance(policy, Policy) and policy.needs_estimates
+
+
+def _checked(d: Decision, ticket: Ticket) -> Decision:
+    """A decision the drivers can act on: refused with no instances, or instances among the
+    request's candidates (a policy must not send a request for one model to another)."""
+    if d.refused is not None:
+        return d if not d.ranked else dataclasses.replace(d, ranked=())
+    allowed = set(ticket.request.candidates)
+    ranked = tuple(i for i in d.ranked if i in allowed)
+    if not ranked:
+        return Decision((), refused=Refusal(503, "the routing policy chose no instance for this request",
+                                            "policy_error"))
+    return d if len(ranked) == len(d.ranked) else dataclasses.replace(d, ranked=ranked)

@@ -95,6 +95,8 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     Avengers-style routing, TPOT heads for RouteBalance) may be None for
     policies that need neither."""
     ev = evalset.take(spec.requests)
+    # The cell's policy is the default one, so its `order` hook orders the queue as it would live.
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=spec.policy))
     instances = cfg.instances
     everyone = tuple(k for k, inst in enumerate(instances) if spec.model in (None, inst.model))
     if not everyone:
@@ -134,9 +136,14 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             generated[k] += report.generation_tokens
             prefilled[k] += report.prompt_tokens
 
+    first_heard: set[int] = set()
+
     def sync() -> None:
-        """The gateway hears streamed progress and completions (every request streams)."""
+        """The gateway hears first tokens, streamed progress and completions (every request streams)."""
         for rid, (i, seq) in list(in_flight.items()):
+            if rid not in first_heard and seq.first_token_time is not None:
+                first_heard.add(rid)
+                core.first_token(tickets[rid], seq.first_token_time)
             if seq.finished:
                 core.complete(tickets[rid], Completion(True, i, seq.generated), seq.finish_time)
                 del in_flight[rid]
@@ -154,19 +161,21 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     def fire(t: float, window) -> tuple[float, list[Ticket], list]:
         batch, _ = core.take(cfg, window, t)
         batches.append(len(batch))
-        decisions = core.decide(cfg, batch, core.view(cfg, t), estimate)
-        for ticket, d in zip(batch, decisions, strict=True):
+        decided = core.decide(cfg, batch, core.view(cfg, t), estimate)
+        for ticket, (d, _) in zip(batch, decided, strict=True):
             if d.ranked and d.ranked[0] in down:
                 ranked_down.append(ticket.handle)  # the policy put a known-down instance first
         compute = ev.cost.estimate_s(len(batch)) if policy.needs_estimates else 0.0
         compute += policy.compute_s(len(batch), ev.cost)
-        return t + compute, batch, decisions
+        return t + compute, batch, decided
 
-    def dispatch(t: float, ready: list[Ticket]) -> None:
-        for ticket in ready:
+    def dispatch(t: float, decided: list[Ticket]) -> None:
+        """Send decided requests to their engines; a refused one is answered at once."""
+        for ticket in decided:
             rid, out = ticket.handle, outcomes[ticket.handle]
             # A down instance refuses the connection: the next plan is tried, as live.
-            plan = next((p for p in core.plans(ticket, t) if p.instance not in down), None)
+            refused = ticket.decision is None or ticket.decision.refused is not None
+            plan = None if refused else next((p for p in core.plans(ticket, t) if p.instance not in down), None)
             if plan is None:
                 out.finished = t  # refused: answered at once with an error
                 core.complete(ticket, Completion(False, None), t)
@@ -183,6 +192,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
 
     # The live loop re-reads the window rule when a request arrives, when a batch
     # has been dispatched, and when the window it sleeps on ends; not on scrapes.
+    # Held requests are asked again after every event (live: every completion and scrape).
     next_arrival = 0
     next_scrape = 0.0
     busy_until = 0.0  # the scheduler's worker is computing a batch until then
@@ -190,6 +200,10 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     clock = 0.0
     window = core.limit(cfg, 0.0)
     while True:
+        if core.held:
+            advance(clock)
+            sync()
+            dispatch(clock, core.release_held(clock))
         t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
         t_dispatch = pending[0] if pending is not None else math.inf
         at = core.fire_at(window, clock) if pending is None else None
@@ -202,19 +216,14 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             advance(clock)
             scrape(clock)
             next_scrape += scrape_every
-            if core.held:
-                sync()
-                dispatch(clock, core.release_held(clock))
             continue
         clock = t_next
         if clock == t_dispatch:
             advance(clock)
-            _, batch, decisions = pending
-            ready = core.settle(batch, decisions, clock)
-            for ticket, d in zip(batch, decisions, strict=True):
-                if not d.ranked:
-                    outcomes[ticket.handle].finished = clock  # refused by its policy
-            dispatch(clock, ready)
+            if policy.overrides("hold"):
+                sync()  # `hold` judges the pool as it is now
+            _, batch, decided = pending
+            dispatch(clock, core.settle(batch, decided, clock))
             pending = None
             window = core.limit(cfg, clock)
         elif clock == t_arrival:
@@ -228,10 +237,11 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                     continue  # the rule now asks for a longer window: sleep on
             advance(clock)
             sync()
-            busy_until, batch, decisions = fire(clock, window)
-            pending = (busy_until, batch, decisions)
-    for ticket in core.held:
-        outcomes[ticket.handle].finished = clock  # held when nothing was left to free room: refused
+            busy_until, batch, decided = fire(clock, window)
+            pending = (busy_until, batch, decided)
+    for ticket in list(core.held):  # held when nothing was left to free room: refused
+        outcomes[ticket.handle].finished = clock
+        core.withdraw(ticket, clock)
     for e in engines:
         e.advance(math.inf)
     for rid, (_, seq) in sequences.items():

@@ -13,14 +13,23 @@ the same code. Hooks:
   of instances). May update `view` (dead reckoning) so later requests of the
   batch see the work the earlier ones added.
 - `hold(ticket, view)`: True keeps a decided request in the gateway until
-  its instance has room (request pulling); the loop asks again on every tick.
+  its instance has room (request pulling); the loop asks again after every
+  completion and scrape (in the simulator, after every event), in the order
+  the requests were held. A held request is not in the pool ledger, so the
+  view does not count it: a policy that holds keeps its own account of what
+  it holds (it sees every held ticket in `hold`).
 - `on_dispatch(ticket, plan, now)`, `on_first_token(ticket, now)`,
   `on_complete(ticket, completion, now)`: lifecycle events, for policies that
-  learn or keep state.
+  learn or keep state. Every decided request ends in `on_complete`, refused
+  ones included (`completion.ok` False, `instance` None).
 
-Threads: live, `assign` runs in the scheduler's worker thread and the other
-hooks on the event loop; a policy whose hooks share mutable state with its
-`assign` must guard it.
+A hook that raises refuses only its own requests (`admit`, `assign`, `hold`:
+HTTP 500) or is logged and passed over (`order`: first come, first served;
+the lifecycle events).
+
+Threads: live, `admit` and `assign` run in the scheduler's worker thread and
+the other hooks on the event loop; a policy whose hooks share mutable state
+across the two must guard it.
 """
 
 from __future__ import annotations

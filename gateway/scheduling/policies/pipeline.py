@@ -2,8 +2,8 @@
 
 The baselines run inside the same batching, telemetry and dispatch path as
 RouteBalance; only these two steps differ. Eq. 1 and the budget filter are
-bypassed: a pipeline never refuses, and relies on the dispatch-time clamp the
-shell applies to every request.
+bypassed: a pipeline never refuses, and relies on the budget clamp that the
+loop's dispatch plans apply to every request.
 """
 
 from __future__ import annotations
