@@ -17,15 +17,12 @@ from gateway.workload import MAX_OUTPUT_TOKENS, prompt_key
 LOG_SIGMA = 0.8  # spread of answer lengths around the model's mean (log-normal)
 
 _WORDS = (
-    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by",
-    "this", "are", "or", "at", "from", "an", "which", "have", "not", "can", "will", "one", "all", "their",
-    "there", "been", "has", "more", "if", "when", "would", "about", "so", "what", "up", "out", "into",
-    "than", "them", "only", "other", "some", "time", "could", "these", "two", "may", "then", "first", "any",
-    "like", "now", "such", "where", "most", "over", "also", "after", "used", "well", "should", "because",
-    "each", "just", "those", "how", "very", "through", "make", "between", "both", "under", "value", "model",
-    "answer", "request", "system", "result", "data", "point", "case", "number", "state", "order", "process",
-    "example"
-)
+    "the of and to in is that for it as with was on be by this are or at from an which have not "
+    "can will one all their there been has more if when would about so what up out into than them "
+    "only other some time could these two may then first any like now such where most over also "
+    "after used well should because each just those how very through make between both under "
+    "value model answer request system result data point case number state order process example"
+).split()
 _TOKENS = tuple(" " + w for w in _WORDS)
 
 

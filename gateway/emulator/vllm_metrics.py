@@ -38,13 +38,7 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 __all__ = [
@@ -121,7 +115,7 @@ class _FastHistogram:
     back to the public ``observe`` (looped for ``count``).
     """
 
-    __slots__ = ("_bounds", "_buckets", "_child", "_sum", "fast")
+    __slots__ = ("_child", "_bounds", "_buckets", "_sum", "fast")
 
     def __init__(self, child: Any) -> None:
         self._child = child
@@ -375,14 +369,15 @@ class VllmMetrics:
     def observe_ttft(self, seconds: float) -> None:
         """Time to first token, recorded when the first token appears (vLLM's
         timing). Pass ``ttft_s=None`` to ``observe_finished`` if you use it."""
-        self._h_ttft.observe(max(0.0, seconds))
+        self._h_ttft.observe(seconds if seconds > 0.0 else 0.0)
 
     def observe_inter_token(self, seconds: float, count: int = 1) -> None:
         """``count`` inter-token gaps of ``seconds`` each (e.g. one decode
         step over a batch of ``count`` sequences). Observed in both
         ``vllm:inter_token_latency_seconds`` and the older
         ``vllm:time_per_output_token_seconds``."""
-        seconds = max(seconds, 0.0)
+        if seconds < 0.0:
+            seconds = 0.0
         if count == 1:
             self._h_itl.observe(seconds)
             self._h_tpot.observe(seconds)
@@ -423,12 +418,12 @@ class VllmMetrics:
             )
         success.inc()
         if ttft_s is not None:
-            self._h_ttft.observe(max(0.0, ttft_s))
-        self._h_e2e.observe(max(0.0, e2e_s))
-        self._h_queue.observe(max(0.0, queue_s))
-        self._h_prefill.observe(max(0.0, prefill_s))
-        self._h_inference.observe(max(0.0, inference_s))
-        decode = max(0.0, decode_s)
+            self._h_ttft.observe(ttft_s if ttft_s > 0.0 else 0.0)
+        self._h_e2e.observe(e2e_s if e2e_s > 0.0 else 0.0)
+        self._h_queue.observe(queue_s if queue_s > 0.0 else 0.0)
+        self._h_prefill.observe(prefill_s if prefill_s > 0.0 else 0.0)
+        self._h_inference.observe(inference_s if inference_s > 0.0 else 0.0)
+        decode = decode_s if decode_s > 0.0 else 0.0
         self._h_decode.observe(decode)
         self._h_prompt_tokens.observe(prompt_tokens)
         self._h_generation_tokens.observe(generation_tokens)

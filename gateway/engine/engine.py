@@ -43,8 +43,9 @@ class Sequence:
     """One request inside the engine. Times are engine times (seconds)."""
 
     __slots__ = (
-        "arrival", "computed", "cut", "finish_reason", "finish_time", "first_scheduled", "first_token_time",
-        "generated", "max_tokens", "preemptions", "prefill_done_time", "prompt_tokens", "rid", "target_tokens",
+        "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
+        "generated", "computed", "first_scheduled", "first_token_time",
+        "finish_time", "finish_reason", "preemptions", "prefill_done_time",
     )
 
     def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float):

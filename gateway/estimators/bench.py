@@ -61,10 +61,10 @@ def run_bench(config, prompts: int = 512) -> str:
     onnx = f"{models_dir}/{est.manifest['embedder']['onnx']}"
     threads = config.estimators.threads
     lines = [
-        (f"{len(texts)} prompts (mean {lengths.mean():.0f} tokens, p90 {np.percentile(lengths, 90):.0f}), "
-         f"{threads} onnxruntime threads, {sum(tiers.values())} instances in {len(tiers)} tiers"),
-        (f"ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most "
-         f"{config.estimators.batch_size} prompts each)"),
+        f"{len(texts)} prompts (mean {lengths.mean():.0f} tokens, p90 {np.percentile(lengths, 90):.0f}), "
+        f"{threads} onnxruntime threads, {sum(tiers.values())} instances in {len(tiers)} tiers",
+        f"ms per request: embed + KNN + TPOT = total (sub-batches sorted by length, at most "
+        f"{config.estimators.batch_size} prompts each)",
         f"{'trunc':>5} {'batch':>5} {'embed':>8} {'knn':>7} {'tpot':>7} {'total':>8}",
     ]
     reference = None

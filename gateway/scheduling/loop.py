@@ -167,7 +167,7 @@ class SchedulingLoop:
         refuses only its own requests. Reads the tickets, never writes them."""
         policies = self.policies(cfg)
         out: dict[int, Decided] = {}
-        groups: dict[str, list[int]] = {}
+        groups: dict[str, tuple[Policy, list[int]]] = {}
         for k, ticket in enumerate(batch):
             policy = policies.get(ticket.request.policy)
             if isinstance(policy, Refusal):
@@ -181,13 +181,11 @@ class SchedulingLoop:
             if refused is not None:
                 out[k] = (Decision((), refused=refused), policy)
                 continue
-            groups.setdefault(ticket.request.policy, []).append(k)
-        wanted = [k for name, rows in groups.items() if _needs_estimates(policies.get(name)) for k in rows]
+            groups.setdefault(ticket.request.policy, (policy, []))[1].append(k)
+        wanted = [k for policy, rows in groups.values() if policy.needs_estimates for k in rows]
         estimates = estimate([batch[k] for k in wanted]) if wanted else None
         row_of = {k: j for j, k in enumerate(wanted)}
-        for name, rows in groups.items():
-            policy = policies.get(name)
-            assert isinstance(policy, Policy)  # grouped only when it could be built
+        for name, (policy, rows) in groups.items():
             est = (estimates.rows([row_of[k] for k in rows])
                    if estimates is not None and policy.needs_estimates else None)
             try:
@@ -303,10 +301,6 @@ class SchedulingLoop:
             getattr(policy, hook)(*args)
         except Exception:
             log.exception("policy %s failed in `%s`", policy.name, hook)
-
-
-def _needs_estimates(policy: Policy | Refusal) -> bool:
-    return isinstance(policy, Policy) and policy.needs_estimates
 
 
 def _checked(d: Decision, ticket: Ticket) -> Decision:
