@@ -1,4 +1,4 @@
-"""`routebalance` command line: serve | emulate | up | train | profile | bench | sim | policies."""
+"""`routebalance` command line: serve | emulate | up | train | profile | bench | sim | policies | keys."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-from aiohttp import web
-
 from gateway.config import ConfigError, ConfigStore, default_config_path
 from gateway.config_watch import watch_file
 
@@ -20,20 +18,28 @@ log = logging.getLogger("routebalance")
 
 
 async def start_gateway(store: ConfigStore, host: str | None = None, port: int | None = None):
-    """Start the gateway's HTTP server; returns (gateway, runner) for the caller to stop."""
-    from gateway.server import Gateway, build_app
+    """Start the gateway's HTTP server; returns (gateway, runners) for the caller to clean up in order.
+
+    Raises ConfigError, before loading anything, when the config must not be
+    served on the address (no API keys beyond loopback).
+    """
+    from gateway.trust.keys import exposure_problem
+
+    problem = exposure_problem(store.current, host or store.current.server.host)
+    if problem:
+        raise ConfigError(problem)
+    from gateway.server import Gateway, listen
 
     loop = asyncio.get_running_loop()
     estimators = await loop.run_in_executor(None, load_estimators, store.current)
-    gateway = Gateway(store, estimators)
-    await loop.run_in_executor(gateway.scheduler.executor, gateway.warm_up)
-    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
-    await runner.setup()
     cfg = store.current.server
-    site = web.TCPSite(runner, host or cfg.host, port or cfg.port, backlog=1024, reuse_address=True)
-    await site.start()
+    gateway = Gateway(store, estimators, host or cfg.host)
+    await loop.run_in_executor(gateway.scheduler.executor, gateway.warm_up)
+    runners = await listen(gateway, host or cfg.host, port or cfg.port)
     log.info("gateway listening on http://%s:%d/v1", host or cfg.host, port or cfg.port)
-    return gateway, runner
+    if cfg.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", host or cfg.host, cfg.metrics_port)
+    return gateway, runners
 
 
 def load_estimators(cfg):
@@ -101,12 +107,13 @@ async def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    pool = runner = watcher = None
+    pool = watcher = None
+    runners: list = []
     try:
         if args.command in ("emulate", "up"):
             pool = await start_emulator(store)
         if args.command in ("serve", "up"):
-            gateway, runner = await start_gateway(store, args.host, args.port)
+            gateway, runners = await start_gateway(store, args.host, args.port)
             loop.add_signal_handler(signal.SIGHUP, lambda: gateway.reload("SIGHUP"))
         else:  # the emulator alone: reload faults on SIGHUP and on file changes
             loop.add_signal_handler(signal.SIGHUP, store.reload)
@@ -116,13 +123,16 @@ async def run(args) -> int:
             print(f"RouteBalance gateway on http://{args.host or server.host}:{args.port or server.port}/v1 "
                   f"in front of {len(store.current.instances)} emulated instances. Ctrl-C stops both.", flush=True)
         await stop.wait()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if watcher:
             watcher.cancel()
-        if runner:
+        for runner in runners:
             await runner.cleanup()
         if pool:
             await pool.stop()
@@ -171,6 +181,23 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--shape", type=float, default=0.5, help="one cell: gamma shape (below 1 is bursty)")
     p.add_argument("--budget-share", type=float, default=0.0, help="one cell: share of requests with a budget")
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("keys", help="API keys: add one (printed once, only its hash stored), list spend per key")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("add", help="make a key, print it once and append its [[auth.keys]] table to the config")
+    p.add_argument("name", help="unique label of the key (metrics, ledger, `keys list`)")
+    p.add_argument("--config", type=Path, default=default_config_path(),
+                   help="config TOML to add the key to (a copy of the built-in one, not the built-in one itself)")
+    p.add_argument("--spend-limit-usd", type=float, help="over it the key's requests get 402 (default: no limit)")
+    p.add_argument("--period", choices=("day", "month", "total"),
+                   help="the spend limit resets each UTC day or month, or never (default: total)")
+    p.add_argument("--requests-per-minute", type=int, help="over it the key's requests get 429 (default: no limit)")
+    p.add_argument("--models", nargs="+", default=(), metavar="MODEL",
+                   help="models or aliases the key may name (default: all)")
+    p.add_argument("--presets", nargs="+", default=(), metavar="PRESET",
+                   help="presets the key may ask for (default: all)")
+    p = keys.add_parser("list", help="each configured key with its limits and its spend this period")
+    p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
 
 
 def cmd_train(args) -> int:
@@ -261,6 +288,74 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cmd_keys(args) -> int:
+    return {"add": cmd_keys_add, "list": cmd_keys_list}[args.keys_command](args)
+
+
+def cmd_keys_add(args) -> int:
+    from gateway.trust.keyfile import add_key
+
+    key = add_key(args.config, args.name, spend_limit_usd=args.spend_limit_usd, period=args.period,
+                  requests_per_minute=args.requests_per_minute, models=args.models, presets=args.presets)
+    print(f"Added key {args.name!r} to {args.config}. The key, shown this once (only its SHA-256 is stored):\n")
+    print(f"    {key}\n")
+    print("A running gateway picks it up on its next config reload (file watcher, SIGHUP or POST /admin/reload).")
+    return 0
+
+
+def cmd_keys_list(args) -> int:
+    from gateway.config import load_config
+    from gateway.trust.spend import SpendLedger, SpendStoreError, SqliteSpendStore
+
+    config = load_config(args.config)
+    keys = config.auth.keys
+    if not keys:
+        print(f"no API keys in {args.config}; `routebalance keys add NAME --config CONFIG` adds one")
+        return 0
+    state = config.state
+    if state.backend == "memory":
+        print(format_keys(keys, None))
+        print('\n[state] backend = "memory": spend is kept inside the running gateway only; nothing to show here')
+        return 0
+    if not Path(state.path).exists():
+        print(format_keys(keys, None))
+        print(f"\nno spend recorded yet: {state.path} does not exist (relative paths are to the working directory)")
+        return 0
+    try:
+        store = SqliteSpendStore(state.path)
+        try:
+            spends = SpendLedger(store).report(keys, time.time())
+        finally:
+            store.close()
+    except SpendStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_keys(keys, spends))
+    print(f"\nspend from {state.path}")
+    return 0
+
+
+def format_keys(keys, spends) -> str:
+    """A text table of the keys and their limits, with this period's spend when `spends`
+    (KeySpend rows, in the keys' order) is given."""
+
+    def usd(value: float | None) -> str:
+        return "-" if value is None else f"{value:.6f}"
+
+    width = max(4, *(len(k.name) for k in keys))
+    lines = [f"{'name':<{width}} {'limit $':>12} {'period':<16} {'spent $':>12} {'requests':>9} "
+             f"{'remaining $':>12} {'rpm':>6}"]
+    for key, spend in zip(keys, spends or [None] * len(keys), strict=True):
+        if spend is None:
+            period, spent, requests, remaining = key.period, "-", "-", "-"
+        else:
+            period = key.period if key.period == "total" else f"{key.period} {spend.period_start}"
+            spent, requests, remaining = usd(spend.spent_usd), str(spend.requests), usd(spend.remaining_usd)
+        lines.append(f"{key.name:<{width}} {usd(key.spend_limit_usd):>12} {period:<16} {spent:>12} {requests:>9} "
+                     f"{remaining:>12} {key.requests_per_minute or '-':>6}")
+    return "\n".join(lines)
+
+
 def cmd_policies(args) -> int:
     from gateway.scheduling.policies import registry
 
@@ -268,7 +363,8 @@ def cmd_policies(args) -> int:
     return 0
 
 
-OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim, "policies": cmd_policies}
+OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim, "policies": cmd_policies,
+           "keys": cmd_keys}
 
 
 def main(argv: list[str] | None = None) -> int:

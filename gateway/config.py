@@ -36,10 +36,14 @@ __all__ = [
     "ConfigError",
     "ConfigStore",
     "Emulator",
+    "ApiKey",
+    "Auth",
     "Faults",
+    "Health",
     "Instance",
     "Scheduler",
     "Server",
+    "State",
     "Telemetry",
     "Upstream",
     "Weights",
@@ -67,10 +71,25 @@ MOVED = {
 class Server(Section):
     host: str = option("127.0.0.1", nonempty=True)
     port: int = option(8000, ge=1, le=65535)
+    # /metrics on its own listener (e.g. for a private network); None: on the API port.
+    metrics_port: int | None = option(None, ge=1, le=65535)
     max_body_bytes: int = option(1_048_576, ge=1)
+    # Longest request line or header line, and the most header lines, a client may send.
+    max_header_bytes: int = option(8190, ge=256)
+    max_headers: int = option(100, ge=8)
+    # A connection that is idle, or has not sent a whole request head, closes after
+    # keepalive_timeout_s; a request's body must arrive within body_timeout_s. Slow
+    # clients cannot hold connections longer.
+    keepalive_timeout_s: float = option(15.0, gt=0)
+    body_timeout_s: float = option(30.0, gt=0)
+    # Client connections open at once; past it new connections are closed at once.
+    max_connections: int = option(2048, ge=1)
+    # Prompts longer than this (characters) are counted in a worker thread, so
+    # tokenizing a huge prompt cannot stall the event loop.
+    tokenize_inline_chars: int = option(16384, ge=0)
     # Model names that mean "let the scheduler choose among all instances".
     aliases: tuple[str, ...] = ("auto",)
-    # When set, admin endpoints require "Authorization: Bearer <token>".
+    # Admin endpoints (/admin/*) require "Authorization: Bearer <token>"; without a token they are off.
     admin_token: str | None = option(None, nonempty=True)
     # 0 turns the file watcher off (reload only on request).
     config_watch_interval_s: float = option(1.0, ge=0)
@@ -79,15 +98,87 @@ class Server(Section):
         for i, alias in enumerate(self.aliases):
             if not alias:
                 raise ConfigError("must not be empty", f"aliases[{i}]")
+        if self.metrics_port == self.port:
+            raise ConfigError("must differ from port (leave it out to serve /metrics on the API port)",
+                              "metrics_port")
 
 
 @section
 class Upstream(Section):
     connect_timeout_s: float = option(2.0, gt=0)
-    read_timeout_s: float = option(60.0, gt=0)  # longest gap between two bytes
+    read_timeout_s: float = option(60.0, gt=0)  # longest gap between two bytes of a stream
+    response_timeout_s: float = option(300.0, gt=0)  # longest wait for a non-streamed answer
     total_timeout_s: float = option(600.0, gt=0)
     max_connections: int = option(1024, ge=1)
-    retries: int = option(1, ge=0)  # before the first byte, on another instance
+    # Per instance, so one stalled instance cannot take every connection; a request
+    # that waits longer than acquire_timeout_s for one fails over to the next instance.
+    max_connections_per_instance: int = option(256, ge=1)
+    acquire_timeout_s: float = option(5.0, gt=0)
+    # A non-streamed answer larger than this is refused (502), not buffered.
+    max_response_bytes: int = option(16 << 20, ge=1024)
+    retries: int = option(2, ge=0)  # failed attempts retried before the first byte, each on another instance
+
+
+@section
+class Health(Section):
+    """Passive health: an instance that fails `failure_threshold` attempts in a row cools
+    down for cooldown_s, doubled after each failed probe up to max_cooldown_s."""
+
+    failure_threshold: int = option(2, ge=1)
+    cooldown_s: float = option(1.0, gt=0)
+    max_cooldown_s: float = option(60.0, gt=0)
+
+    def _validate(self) -> None:
+        if self.max_cooldown_s < self.cooldown_s:
+            raise ConfigError("must be >= cooldown_s", "max_cooldown_s")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+Period = Literal["day", "month", "total"]
+
+
+@section
+class ApiKey(Section):
+    """One client key. Only its SHA-256 is stored; `routebalance keys add` makes one."""
+
+    name: str = option(nonempty=True)
+    sha256: str = option(nonempty=True)
+    spend_limit_usd: float | None = option(None, ge=0)
+    period: Period = "total"  # the spend limit resets each UTC day or month, or never
+    requests_per_minute: int | None = option(None, ge=1)
+    models: tuple[str, ...] = ()  # models or aliases it may name; empty: all
+    presets: tuple[str, ...] = ()  # presets it may ask for; empty: all
+
+    def _validate(self) -> None:
+        if not _SHA256.fullmatch(self.sha256):
+            raise ConfigError("must be the key's SHA-256 as 64 lowercase hex digits", "sha256")
+
+
+@section
+class Auth(Section):
+    # Without keys, requests without one are served only while the server listens on
+    # loopback; this lets them in on any address (and next to keys).
+    allow_anonymous: bool = False
+    keys: tuple[ApiKey, ...] = ()
+
+    def _validate(self) -> None:
+        names: dict[str, int] = {}
+        hashes: dict[str, int] = {}
+        for i, key in enumerate(self.keys):
+            if key.name in names:
+                raise ConfigError(f"duplicate key name {key.name!r} (also keys[{names[key.name]}])",
+                                  f"keys[{i}].name")
+            if key.sha256 in hashes:
+                raise ConfigError(f"the same key as keys[{hashes[key.sha256]}]", f"keys[{i}].sha256")
+            names[key.name] = hashes[key.sha256] = i
+
+
+@section
+class State(Section):
+    """Where spend is kept: "sqlite" (persisted, survives restarts) or "memory" (tests)."""
+
+    backend: Literal["sqlite", "memory"] = "sqlite"
+    path: str = option("data/state.db", nonempty=True)  # relative to the working directory
 
 
 @section
@@ -216,10 +307,13 @@ class Instance(Section):
     name: str = option(nonempty=True)
     url: str = option(nonempty=True)  # server root, e.g. http://10.0.0.5:8000 (no /v1)
     model: str = option(nonempty=True)  # the name vLLM serves it under
+    # Sent as "Authorization: Bearer <api_key>" (vLLM's --api-key), so the pool need not be open.
+    api_key: str | None = option(None, nonempty=True)
     gpu: str = option(nonempty=True)
     gpu_count: int = option(1, ge=1)
     tensor_parallel: int = option(1, ge=1)
-    # Per GPU. None: read from the GPU name ("A100-80GB" -> 80); always set after load.
+    # Per GPU. None: read from the GPU name ("A100-80GB" -> 80) if it says; only the
+    # emulator and the simulator need it (they model the KV cache).
     gpu_memory_gb: float | None = option(None, gt=0)
     gpu_memory_utilization: float = option(0.9, gt=0, le=1)
     max_num_seqs: int = option(256, ge=1)
@@ -242,16 +336,17 @@ class Instance(Section):
                               f"{self.tensor_parallel}", "tensor_parallel")
         if self.gpu_memory_gb is None:
             m = _GPU_MEMORY.search(self.gpu)
-            if not m:
-                raise ConfigError(f"missing required key (cannot read it from gpu "
-                                  f"{self.gpu!r})", "gpu_memory_gb")
-            set_normalised(self, "gpu_memory_gb", float(m.group(1)))
+            if m:
+                set_normalised(self, "gpu_memory_gb", float(m.group(1)))
 
 
 @section
 class Config(Section):
     server: Server = Server()
     upstream: Upstream = Upstream()
+    health: Health = Health()
+    auth: Auth = Auth()
+    state: State = State()
     scheduler: Scheduler = option(factory=Scheduler)
     batching: Batching = Batching()
     telemetry: Telemetry = Telemetry()
@@ -282,6 +377,14 @@ class Config(Section):
             if alias in models:
                 raise ConfigError(f"alias {alias!r} is also a pool model name",
                                   f"server.aliases[{i}]")
+        for i, key in enumerate(self.auth.keys):
+            for j, model in enumerate(key.models):
+                if model not in models and model not in self.server.aliases:
+                    raise ConfigError(f"{model!r} is neither a pool model nor an alias",
+                                      f"auth.keys[{i}].models[{j}]")
+            for j, preset in enumerate(key.presets):
+                if preset not in self.scheduler.presets:
+                    raise ConfigError(f"unknown preset {preset!r}", f"auth.keys[{i}].presets[{j}]")
 
     def models(self) -> tuple[str, ...]:
         """Distinct served model names, in order of first appearance."""

@@ -3,6 +3,11 @@
 Streams pass through as bytes: only the events that carry `usage` are parsed,
 to cost the request and to drop the usage chunk again when the client did not
 ask for it (the gateway always asks upstream, so every request is costed).
+An instance that sends no usage (llama.cpp's server, older vLLM) is costed by
+counting: the gateway's own prompt count and the answer's text through the
+tokenizer, marked `usage.cost_source = "counted"`. Until a stream's usage
+arrives its bytes are kept (bounded by the answer size cap) for that count,
+and its [DONE] is held back so the counted usage can go before it.
 
 A stream with a cost budget is the exception: upstream is asked for running
 usage in every chunk (vLLM's continuous_usage_stats), every event is parsed,
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -25,6 +30,7 @@ from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest
 from gateway.api.sse import DONE, EVENT_END, SSE_HEADERS, json_event
 from gateway.scheduling.budget import per_token, predicted_cost, within_budget
+from gateway.tokens import estimate_tokens
 
 STREAM_HEADERS = {**SSE_HEADERS, "X-Accel-Buffering": "no"}  # and no buffering in a proxy in front
 # Compressed answers would have to be inflated to be costed and re-framed: ask for none.
@@ -32,6 +38,7 @@ UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "iden
 MAX_EVENT_BYTES = 1 << 20  # an SSE event larger than this is a broken upstream, not an answer
 LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
 CLIENT_CLOSED = 499  # status recorded for a stream whose client left before the end (nginx's convention)
+COUNTED = "counted"  # usage.cost_source of an answer the gateway costed by counting tokens itself
 
 
 class UpstreamFailed(Exception):
@@ -40,8 +47,39 @@ class UpstreamFailed(Exception):
     def __init__(self, status: int, message: str, *, retry: bool = True, unreachable: bool = False):
         super().__init__(message)
         self.status = status  # what the client gets if no retry succeeds: 502 or 504
-        self.retry = retry  # worth trying another instance (false once an instance has spent time on it)
-        self.unreachable = unreachable  # a transport failure: skip the instance for a while
+        self.retry = retry  # worth trying another instance (false for an answer that would fail anywhere,
+        # which is then not held against this instance's health either)
+        self.unreachable = unreachable  # the request never reached the instance: nothing to pay for
+
+
+class AnswerTooLarge(Exception):
+    """The instance's answer passed the configured size cap."""
+
+
+@dataclass(frozen=True, slots=True)
+class Costing:
+    """How an answer on one instance is costed (prices in USD per token)."""
+
+    price_in: float
+    price_out: float
+    prompt_tokens: int = 0  # the gateway's own count: costed until the instance reports its count, or if it never does
+    count: Callable[[str], int] = estimate_tokens  # answer text -> tokens, for an instance that reports no usage
+    max_answer_bytes: int = 16 << 20
+    inline_chars: int = 16384  # longer text is counted in a worker thread, off the event loop
+
+    @classmethod
+    def for_instance(cls, instance, prompt_tokens: int = 0, count: Callable[[str], int] = estimate_tokens,
+                     max_answer_bytes: int = 16 << 20, inline_chars: int = 16384) -> Costing:
+        return cls(per_token(instance.price_input_per_mtok), per_token(instance.price_output_per_mtok),
+                   prompt_tokens, count, max_answer_bytes, inline_chars)
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return predicted_cost(prompt_tokens, completion_tokens, self.price_in, self.price_out)
+
+    async def count_text(self, text: str) -> int:
+        if len(text) <= self.inline_chars:
+            return self.count(text)
+        return await asyncio.get_running_loop().run_in_executor(None, self.count, text)
 
 
 @dataclass(slots=True)
@@ -49,24 +87,12 @@ class RelayResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float | None = None
+    cost_source: str = "upstream"  # or COUNTED: the instance reported no usage
     first_byte_s: float | None = None  # loop time when the first answer byte went out
     failed_status: int | None = None  # the stream broke after its first byte (client told by an error event)
+    instance_failed: bool = False  # ...and the instance was to blame (not the client leaving, not the size cap)
     budget_exhausted: bool = False  # the stream was stopped because its next chunk would overspend
-
-
-@dataclass(frozen=True, slots=True)
-class StreamBudget:
-    """What a streamed request may cost on its instance (prices in USD per token)."""
-
-    budget_usd: float
-    price_in: float
-    price_out: float
-    prompt_tokens: int = 0  # the gateway's own count, costed until the instance reports its count
-
-    @classmethod
-    def for_instance(cls, budget_usd: float, instance, prompt_tokens: int = 0) -> StreamBudget:
-        return cls(budget_usd, per_token(instance.price_input_per_mtok), per_token(instance.price_output_per_mtok),
-                   prompt_tokens)
+    usage: dict = field(default_factory=dict)  # what the client was told (or would have been)
 
 
 def _count(usage: dict, key: str) -> int:
@@ -74,13 +100,45 @@ def _count(usage: dict, key: str) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
-def record_usage(usage: dict, instance, result: RelayResult) -> None:
+def record_usage(usage: dict, costing: Costing, result: RelayResult) -> None:
     """Cost a request from the instance's own token counts (malformed counts count as 0)."""
     result.prompt_tokens = _count(usage, "prompt_tokens")
     result.completion_tokens = _count(usage, "completion_tokens")
-    result.cost_usd = usage["cost_usd"] = predicted_cost(result.prompt_tokens, result.completion_tokens,
-                                                         per_token(instance.price_input_per_mtok),
-                                                         per_token(instance.price_output_per_mtok))
+    result.cost_usd = usage["cost_usd"] = costing.cost(result.prompt_tokens, result.completion_tokens)
+    result.cost_source = "upstream"
+
+
+async def count_usage(texts: list[str], costing: Costing, result: RelayResult) -> dict:
+    """Cost an answer whose instance reported no usage: the gateway's prompt count and the
+    answer text counted by the tokenizer. Returns the usage object for the client."""
+    result.prompt_tokens = costing.prompt_tokens
+    result.completion_tokens = await costing.count_text("".join(texts))
+    result.cost_usd = costing.cost(result.prompt_tokens, result.completion_tokens)
+    result.cost_source = COUNTED
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens, "cost_usd": result.cost_usd,
+            "cost_source": COUNTED}
+
+
+def _answer_texts(data: dict) -> list[str]:
+    """The generated text of an answer or a stream chunk: content, reasoning and tool calls of each choice."""
+    out = []
+    choices = data.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        if isinstance(choice.get("text"), str):
+            out.append(choice["text"])
+        part = choice.get("message") or choice.get("delta")
+        if not isinstance(part, dict):
+            continue
+        out += [part[k] for k in ("content", "reasoning_content") if isinstance(part.get(k), str)]
+        calls = part.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                out += [fn[k] for k in ("name", "arguments") if isinstance(fn.get(k), str)]
+    return out
 
 
 def upstream_payload(req: CompletionRequest, instance, max_tokens: int | None = None,
@@ -110,37 +168,44 @@ def asks_continuous_usage(req: CompletionRequest) -> bool:
 
 async def open_upstream(session: aiohttp.ClientSession, instance, path: str, payload: bytes,
                         timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-    """POST to the instance. Raises UpstreamFailed on connect errors, timeouts and 5xx answers."""
+    """POST to the instance. Raises UpstreamFailed on connect errors, timeouts, 5xx answers and a
+    404 (the instance does not serve the model it is configured with, or is not an OpenAI server)."""
+    headers = UPSTREAM_HEADERS
+    if instance.api_key:
+        headers = {**UPSTREAM_HEADERS, "Authorization": f"Bearer {instance.api_key}"}
     try:
-        resp = await session.post(instance.url + path, data=payload, timeout=timeout, headers=UPSTREAM_HEADERS)
-    except aiohttp.ConnectionTimeoutError:
+        resp = await session.post(instance.url + path, data=payload, timeout=timeout, headers=headers)
+    except aiohttp.ConnectionTimeoutError:  # no connection in time: none free for it, or none made
         raise UpstreamFailed(502, f"instance {instance.name} is unreachable: connect timeout",
                              unreachable=True) from None
-    except TimeoutError:  # it accepted the request and then took too long: do not pile it on another
-        raise UpstreamFailed(504, f"instance {instance.name} did not answer in time", retry=False) from None
+    except TimeoutError:
+        raise UpstreamFailed(504, f"instance {instance.name} did not answer in time") from None
     except aiohttp.ClientConnectionError as e:  # refused, reset, disconnected: the transport failed
         raise UpstreamFailed(502, f"instance {instance.name} is unreachable: {e.__class__.__name__}",
-                             unreachable=True) from None
+                             unreachable=isinstance(e, aiohttp.ClientConnectorError)) from None
     except aiohttp.ClientError as e:
         raise UpstreamFailed(502, f"instance {instance.name} failed: {e.__class__.__name__}") from None
-    if resp.status >= 500:
+    if resp.status >= 500 or resp.status == 404:
         resp.close()
-        raise UpstreamFailed(502, f"instance {instance.name} failed with status {resp.status}")
+        what = "does not serve its model (404)" if resp.status == 404 else f"failed with status {resp.status}"
+        raise UpstreamFailed(502, f"instance {instance.name} {what}")
     return resp
 
 
 async def client_error(resp: aiohttp.ClientResponse) -> ApiError:
     """A 4xx from the instance, passed on in OpenAI's shape."""
     try:
-        data = orjson.loads(await resp.read())
+        data = orjson.loads(await _read_capped(resp, 1 << 16))
         err = data.get("error", data) if isinstance(data, dict) else {}
         message = err.get("message") if isinstance(err, dict) else None
         param = err.get("param") if isinstance(err, dict) else None
-    except (TimeoutError, orjson.JSONDecodeError, aiohttp.ClientError):
+    except (TimeoutError, orjson.JSONDecodeError, aiohttp.ClientError, AnswerTooLarge):
         message, param = None, None
     finally:
         resp.close()
-    status = resp.status if resp.status in (400, 404, 413, 422, 429) else 400
+    status = resp.status if resp.status in (400, 413, 422, 429) else 400
+    message = message if isinstance(message, str) else None
+    param = param if isinstance(param, str) else None
     return ApiError(status, message or f"instance rejected the request (status {resp.status})", param)
 
 
@@ -148,13 +213,29 @@ def route_headers(instance) -> dict[str, str]:
     return {"X-Route-Instance": instance.name, "X-Route-Model": instance.model}
 
 
-async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayResult) -> web.Response:
+async def _read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or AnswerTooLarge as soon as it passes `limit` bytes (never buffered past it)."""
+    if upstream.content_length is not None and upstream.content_length > limit:
+        raise AnswerTooLarge(f"{upstream.content_length} bytes")
+    chunks, size = [], 0
+    async for chunk in upstream.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayResult, costing: Costing) -> web.Response:
     try:
-        raw = await upstream.read()  # a complete read hands the connection back to the pool
+        raw = await _read_capped(upstream, costing.max_answer_bytes)  # a complete read frees the connection
     except TimeoutError:
-        raise UpstreamFailed(504, f"instance {instance.name} stalled", retry=False) from None
+        raise UpstreamFailed(504, f"instance {instance.name} stalled") from None
     except aiohttp.ClientError as e:
         raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}") from None
+    except AnswerTooLarge as e:  # it would be as large anywhere else
+        raise UpstreamFailed(502, f"instance {instance.name} sent an answer past the size cap ({e})",
+                             retry=False) from None
     finally:
         if not upstream.content.is_eof():
             upstream.close()  # cancelled or failed mid-body: drop the connection so the instance aborts
@@ -162,11 +243,16 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise UpstreamFailed(502, f"instance {instance.name} sent invalid JSON") from None
+    if not isinstance(data, dict):
+        raise UpstreamFailed(502, f"instance {instance.name} sent a JSON {type(data).__name__}, not an object")
     headers = route_headers(instance)
-    usage = data.get("usage") if isinstance(data, dict) else None
+    usage = data.get("usage")
     if isinstance(usage, dict):
-        record_usage(usage, instance, result)
-        headers["X-Route-Cost-USD"] = f"{result.cost_usd:.10f}"
+        record_usage(usage, costing, result)
+    else:
+        data["usage"] = await count_usage(_answer_texts(data), costing, result)
+    result.usage = data["usage"]
+    headers["X-Route-Cost-USD"] = f"{result.cost_usd:.10f}"
     return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
 
 
@@ -182,28 +268,94 @@ def _event_json(event: bytes) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _rewrite_usage_events(block: bytes, instance, include_usage: bool, result: RelayResult) -> bytes:
-    """Cost the events that carry usage; keep them (with cost_usd) only if the client asked."""
-    out = []
-    for event in block.split(EVENT_END):
-        if not event:
-            continue
-        if b'"usage":{' in event or b'"usage": {' in event:
-            data = _event_json(event)
-            if data is None:
-                out.append(event + EVENT_END)
+def _ends_answer(block: bytes) -> bool:
+    """The block ends the answer: [DONE], or a choice's finish_reason (a server may send no [DONE])."""
+    return b"[DONE]" in block or b'"finish_reason":"' in block or b'"finish_reason": "' in block
+
+
+class _Framer:
+    """What the framers share: costing by counting while the instance has sent no usage,
+    holding [DONE] back until then, and knowing whether the answer reached its end."""
+
+    def __init__(self, costing: Costing, include_usage: bool, result: RelayResult):
+        self.costing, self.include_usage, self.result = costing, include_usage, result
+        self.usage_seen = False  # the instance reported usage: it is the truth
+        self.held_done = False  # [DONE] withheld until the counted usage has gone out
+        self.ended = False
+        self.head: dict = {}  # id, object, created, model of the stream's chunks
+
+    def _hold_done(self, block: bytes) -> bytes:
+        if self.usage_seen or b"[DONE]" not in block:
+            return block
+        self.held_done = True
+        return b"".join(e + EVENT_END for e in block.split(EVENT_END) if e and b"[DONE]" not in e)
+
+    def _usage_chunk(self, usage: dict) -> bytes:
+        return json_event({**self.head, "choices": [], "usage": usage}) if self.include_usage else b""
+
+    async def _counted(self, texts: list[str]) -> bytes:
+        """After the last block: cost by counting if the instance sent no usage; the usage chunk if asked, and
+        the held [DONE]."""
+        if self.usage_seen:
+            return b""
+        usage = await count_usage(texts, self.costing, self.result)
+        self.result.usage = usage
+        return self._usage_chunk(usage) + (DONE if self.held_done else b"")
+
+
+class _PassThrough(_Framer):
+    """Bytes through untouched; the events that carry usage are costed (and dropped if not asked for)."""
+
+    def __init__(self, costing: Costing, include_usage: bool, result: RelayResult):
+        super().__init__(costing, include_usage, result)
+        self.kept: list[bytes] = []  # the stream so far, while no usage has come: counted at the end
+        self.kept_bytes = 0
+
+    def pass_block(self, block: bytes) -> tuple[bytes, bool]:
+        if b'"usage"' in block:
+            block = self._rewrite_usage_events(block)
+        if not self.usage_seen:
+            self.kept.append(block)
+            self.kept_bytes += len(block)
+            if self.kept_bytes > self.costing.max_answer_bytes:
+                raise AnswerTooLarge(f"more than {self.costing.max_answer_bytes} bytes without usage")
+        self.ended = self.ended or _ends_answer(block)
+        return self._hold_done(block), False
+
+    def _rewrite_usage_events(self, block: bytes) -> bytes:
+        """Cost the events that carry usage; keep them (with cost_usd) only if the client asked."""
+        out = []
+        for event in block.split(EVENT_END):
+            if not event:
                 continue
-            usage = data.get("usage")
-            if isinstance(usage, dict):
-                record_usage(usage, instance, result)
-                if not data.get("choices") and not include_usage:
-                    continue  # the usage-only chunk the client never asked for
-                if not include_usage:
-                    data["usage"] = None
-                out.append(json_event(data))
-                continue
-        out.append(event + EVENT_END)
-    return b"".join(out)
+            if b'"usage":{' in event or b'"usage": {' in event:
+                data = _event_json(event)
+                usage = data.get("usage") if data is not None else None
+                if isinstance(usage, dict):
+                    record_usage(usage, self.costing, self.result)
+                    self.result.usage = usage
+                    self.usage_seen, self.kept = True, []
+                    if not data.get("choices") and not self.include_usage:
+                        continue  # the usage-only chunk the client never asked for
+                    if not self.include_usage:
+                        data["usage"] = None
+                    out.append(json_event(data))
+                    continue
+            out.append(event + EVENT_END)
+        return b"".join(out)
+
+    async def finish(self) -> bytes:
+        if self.usage_seen:
+            return b""
+        texts = []
+        for block in self.kept:
+            for event in block.split(EVENT_END):
+                data = _event_json(event)
+                if data is not None:
+                    self.head = self.head or {k: data[k] for k in ("id", "object", "created", "model") if k in data}
+                    texts += _answer_texts(data)
+        self.kept = []
+        return await self._counted(texts)
 
 
 def _has_output(choice) -> bool:
@@ -220,22 +372,19 @@ def _index(choice) -> int:
     return i if isinstance(i, int) else 0
 
 
-class _BudgetMeter:
+class _BudgetMeter(_Framer):
     """Meters a budgeted stream event by event, from the running usage each chunk
-    carries; a chunk without usage counts one token per choice that has output.
-    The counts it holds are those delivered to the client."""
+    carries; a chunk without usage is counted by the tokenizer (at least one token
+    per choice that has output). The counts it holds are those delivered to the client."""
 
-    def __init__(self, budget: StreamBudget, instance, include_usage: bool, continuous_usage: bool,
+    def __init__(self, budget_usd: float, costing: Costing, include_usage: bool, continuous_usage: bool,
                  result: RelayResult):
-        self.budget, self.instance, self.result = budget, instance, result
-        self.include_usage = include_usage
+        super().__init__(costing, include_usage, result)
+        self.budget_usd = budget_usd
         self.continuous_usage = continuous_usage  # the client asked for running usage itself
-        self.prompt, self.completion = budget.prompt_tokens, 0
+        self.prompt, self.completion = costing.prompt_tokens, 0
         self.open: set[int] = set()  # choices begun and not yet finished
-        self.head: dict = {}  # id, object, created, model of the stream's chunks
-
-    def _cost(self, prompt: int, completion: int) -> float:
-        return predicted_cost(prompt, completion, self.budget.price_in, self.budget.price_out)
+        self.texts: list[str] = []  # the text delivered, for a count if the instance never reports usage
 
     def pass_block(self, block: bytes) -> tuple[bytes, bool]:
         """The events to send, and whether the budget stops the stream after them."""
@@ -249,26 +398,33 @@ class _BudgetMeter:
             usage = usage if isinstance(usage, dict) else None
             if not choices or not isinstance(choices, list):
                 if usage is not None:  # the final usage-only chunk: the instance's own count is the truth
-                    record_usage(usage, self.instance, self.result)
-                    if not self.include_usage:
-                        continue
-                    out.append(json_event(data))
+                    record_usage(usage, self.costing, self.result)
+                    self.result.usage, self.usage_seen = usage, True
+                    if self.include_usage:
+                        out.append(json_event(data))
                     continue
+                self.ended = self.ended or b"[DONE]" in event
                 out.append(event + EVENT_END)  # [DONE], error objects, comments: as they came
                 continue
             self.head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
             if usage is not None:
+                self.usage_seen = True
                 prompt, completion = _count(usage, "prompt_tokens") or self.prompt, _count(usage, "completion_tokens")
             else:
-                prompt, completion = self.prompt, self.completion + sum(map(_has_output, choices))
+                texts = _answer_texts(data)
+                counted = self.costing.count("".join(texts)) if texts else 0  # a chunk's few tokens: inline
+                prompt, completion = self.prompt, self.completion + max(counted, sum(map(_has_output, choices)))
             self.prompt = prompt  # the input is spent whether or not this chunk goes out
-            if not within_budget(self._cost(prompt, completion), self.budget.budget_usd):
+            if not within_budget(self.costing.cost(prompt, completion), self.budget_usd):
                 self.open.update(_index(c) for c in choices)  # withheld, so still open for the client
                 self._settle()
                 return b"".join(out), True
             self.completion = completion
+            self.texts += _answer_texts(data)
             for c in choices:
-                (self.open.discard if isinstance(c, dict) and c.get("finish_reason") else self.open.add)(_index(c))
+                finished = isinstance(c, dict) and c.get("finish_reason")
+                self.ended = self.ended or bool(finished)
+                (self.open.discard if finished else self.open.add)(_index(c))
             self._settle()
             if usage is not None:
                 if self.continuous_usage:
@@ -278,31 +434,29 @@ class _BudgetMeter:
                 out.append(json_event(data))
             else:
                 out.append(event + EVENT_END)
-        return b"".join(out), False
+        return self._hold_done(b"".join(out)), False
 
     def _settle(self) -> None:
         self.result.prompt_tokens, self.result.completion_tokens = self.prompt, self.completion
-        self.result.cost_usd = self._cost(self.prompt, self.completion)
+        self.result.cost_usd = self.costing.cost(self.prompt, self.completion)
 
-    def closing(self) -> bytes:
+    async def finish(self) -> bytes:
+        return await self._counted(self.texts)
+
+    async def closing(self) -> bytes:
         """What the client gets instead of the chunk that would overspend: every open
         choice ends with "length", a budget marker, the usage if asked, then [DONE]."""
         self.result.budget_exhausted = True
+        usage = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                 "total_tokens": self.prompt + self.completion, "cost_usd": self.result.cost_usd}
+        if not self.usage_seen:  # what was delivered, counted (the chunks only approximated it)
+            usage = await count_usage(self.texts, self.costing, self.result)
+        self.result.usage = usage
         chat = self.head.get("object") != "text_completion"
         ends = [{"index": i, **({"delta": {}} if chat else {"text": ""}), "logprobs": None, "finish_reason": "length"}
                 for i in sorted(self.open or {0})]
-        marker = {"budget_exhausted": True, "budget_usd": self.budget.budget_usd, "cost_usd": self.result.cost_usd}
-        out = json_event({**self.head, "choices": ends, "routebalance": marker})
-        if self.include_usage:
-            usage = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                     "total_tokens": self.prompt + self.completion, "cost_usd": self.result.cost_usd}
-            out += json_event({**self.head, "choices": [], "usage": usage})
-        return out + DONE
-
-
-def _delivered(block: bytes) -> bool:
-    """The last block handled ended the stream ([DONE] went out, or upstream had nothing more)."""
-    return not block or b"[DONE]" in block
+        marker = {"budget_exhausted": True, "budget_usd": self.budget_usd, "cost_usd": self.result.cost_usd}
+        return json_event({**self.head, "choices": ends, "routebalance": marker}) + self._usage_chunk(usage) + DONE
 
 
 class _EventReader:
@@ -335,36 +489,34 @@ class _EventReader:
 
 
 async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, instance,
-                       include_usage: bool, result: RelayResult, budget: StreamBudget | None = None,
+                       include_usage: bool, result: RelayResult, costing: Costing, budget_usd: float | None = None,
                        continuous_usage: bool = False, headers: Mapping[str, str] | None = None,
                        on_progress: Callable[[int], None] | None = None) -> web.StreamResponse:
     """Pass SSE events through. Nothing is sent to the client until the first event
     has arrived, so an instance that fails before it can still be retried elsewhere.
     A client that goes away closes the upstream connection, which makes vLLM abort;
     so does a budget that the next chunk would exceed (upstream_payload must have
-    asked for continuous usage). `continuous_usage`: the client asked for running
-    usage itself, so a budgeted stream keeps it in the chunks. `headers` go on the
-    response with the route headers (they must be known before the first byte).
-    `on_progress(tokens)` hears the answer tokens streamed so far after each write:
-    exact for a budgeted stream, else counted as one per event (an instance may
-    pack several tokens into one, and role, usage and [DONE] events count too)."""
+    asked for continuous usage). An upstream that breaks off, or ends before its
+    answer did, ends the client's stream with an error event, never a clean end.
+    `continuous_usage`: the client asked for running usage itself, so a budgeted
+    stream keeps it in the chunks. `headers` go on the response with the route
+    headers (they must be known before the first byte). `on_progress(tokens)` hears
+    the answer tokens streamed so far after each write: exact for a budgeted stream,
+    else counted as one per event (an instance may pack several tokens into one,
+    and role, usage and [DONE] events count too)."""
     loop = asyncio.get_running_loop()
     events = _EventReader(upstream)
-
-    if budget is None:
-        def framed(block: bytes) -> tuple[bytes, bool]:
-            if b'"usage"' not in block:  # the fast path: bytes through untouched
-                return block, False
-            return _rewrite_usage_events(block, instance, include_usage, result), False
+    meter = None
+    if budget_usd is None:
+        framer: _PassThrough | _BudgetMeter = _PassThrough(costing, include_usage, result)
     else:
-        meter = _BudgetMeter(budget, instance, include_usage, continuous_usage, result)
-        framed = meter.pass_block
+        framer = meter = _BudgetMeter(budget_usd, costing, include_usage, continuous_usage, result)
 
     try:
         try:
             first = await events.next_block()
         except TimeoutError:
-            raise UpstreamFailed(504, f"instance {instance.name} sent no event in time", retry=False) from None
+            raise UpstreamFailed(504, f"instance {instance.name} sent no event in time") from None
         except aiohttp.ClientError as e:
             raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}") from None
         if not first:
@@ -376,31 +528,46 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
         streamed = 0
         try:
             while block:
-                out, stop = framed(block)
+                try:
+                    out, stop = framer.pass_block(block)
+                except AnswerTooLarge as e:
+                    await _fail(resp, result, 502, f"instance {instance.name} sent an answer past the size cap ({e})",
+                                instance_failed=False)
+                    break
                 if out:
                     await resp.write(out)
                 if on_progress is not None:
-                    streamed = result.completion_tokens if budget else streamed + block.count(b"data:")
+                    streamed = result.completion_tokens if meter else streamed + block.count(b"data:")
                     on_progress(streamed)
-                if stop:
+                if stop and meter is not None:
                     upstream.close()  # before telling the client: the instance stops generating now
-                    await resp.write(meter.closing())
+                    await resp.write(await meter.closing())
                     break
                 try:
                     block = await events.next_block()
                 except (TimeoutError, aiohttp.ClientError) as e:
                     # After the first byte there is no retry: end the stream with an error event.
-                    failure = ApiError(504 if isinstance(e, TimeoutError) else 502,
-                                       f"instance {instance.name} broke off the stream: {e.__class__.__name__}")
-                    result.failed_status = failure.status
-                    await resp.write(json_event(failure.body()))
+                    await _fail(resp, result, 504 if isinstance(e, TimeoutError) else 502,
+                                f"instance {instance.name} broke off the stream: {e.__class__.__name__}")
                     break
+            else:
+                if framer.ended:
+                    await resp.write(await framer.finish())
+                else:
+                    await _fail(resp, result, 502, f"instance {instance.name} ended the stream before its answer did")
             await resp.write_eof()
         except ConnectionResetError:
-            # The client left. After [DONE] that is normal (SDKs hang up at once) and the
-            # answer was delivered; before it, closing upstream (below) makes vLLM abort.
-            if not result.failed_status and not _delivered(block):
+            # The client left. After the answer's end that is normal (SDKs hang up at once
+            # after [DONE]); before it, closing upstream (below) makes vLLM abort.
+            if not result.failed_status and not framer.ended:
                 result.failed_status = CLIENT_CLOSED
         return resp
     finally:
         upstream.close()
+
+
+async def _fail(resp: web.StreamResponse, result: RelayResult, status: int, message: str,
+                instance_failed: bool = True) -> None:
+    failure = ApiError(status, message)
+    result.failed_status, result.instance_failed = failure.status, instance_failed
+    await resp.write(json_event(failure.body()))

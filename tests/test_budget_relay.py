@@ -20,8 +20,8 @@ from gateway.api.parse import CompletionRequest, RoutingOptions
 from gateway.config import default_config_path, load_config
 from gateway.emulator.server import EmulatedPool
 from gateway.relay import (
+    Costing,
     RelayResult,
-    StreamBudget,
     asks_continuous_usage,
     open_upstream,
     relay_stream,
@@ -143,19 +143,19 @@ async def mini_gateway(request: web.Request) -> web.StreamResponse:
     routing = body.pop("routing", {})
     req = make_request(body, routing.get("budget_usd"))
     inst, counter = g["instance"], TokenCounter()
-    limit, budget = None, None
-    if req.routing.budget_usd is not None:
-        input_tokens = counter.count_chat(req.body["messages"])
-        limit = clamp_max_tokens(req.routing.budget_usd, input_tokens, per_token(inst.price_input_per_mtok),
+    limit, budget = None, req.routing.budget_usd
+    input_tokens = counter.count_chat(req.body["messages"])
+    if budget is not None:
+        limit = clamp_max_tokens(budget, input_tokens, per_token(inst.price_input_per_mtok),
                                  per_token(inst.price_output_per_mtok), req.max_tokens)
-        budget = StreamBudget.for_instance(req.routing.budget_usd, inst, input_tokens)
     payload = upstream_payload(req, inst, max_tokens=limit, continuous_usage=budget is not None)
     upstream = await open_upstream(g["session"], inst, "/v1/chat/completions", payload,
                                    aiohttp.ClientTimeout(total=30))
     result = RelayResult()
     g["results"].append(result)
     progress = g["progress"] = []
-    return await relay_stream(request, upstream, inst, req.include_usage, result, budget=budget,
+    return await relay_stream(request, upstream, inst, req.include_usage, result,
+                              Costing.for_instance(inst, input_tokens, counter.count), budget_usd=budget,
                               continuous_usage=asks_continuous_usage(req), headers={"X-Route-Max-Tokens": str(limit)},
                               on_progress=progress.append)
 
@@ -180,7 +180,7 @@ class LoopThread:
 def budget_stack():
     lt = LoopThread()
     stub_port, gw_port = free_port(), free_port()
-    inst = SimpleNamespace(name="stub", model=MODEL, url=f"http://127.0.0.1:{stub_port}",
+    inst = SimpleNamespace(name="stub", model=MODEL, url=f"http://127.0.0.1:{stub_port}", api_key=None,
                            price_input_per_mtok=PRICE_IN, price_output_per_mtok=PRICE_OUT)
     stub_state = {"bodies": [], "done": threading.Event()}
     gw_state = {"instance": inst, "results": []}
@@ -271,13 +271,19 @@ def test_client_asking_for_running_usage_gets_it_costed(budget_stack):
     assert chunks[-1].usage.completion_tokens == AFFORDABLE
 
 
-def test_without_running_usage_each_content_chunk_counts_one_token(budget_stack):
+def test_without_running_usage_each_chunk_is_counted_by_the_tokenizer(budget_stack):
     chunks = budgeted_stream(budget_stack, stream_options={"include_usage": True}, extra_body={
         "routing": {"budget_usd": BUDGET}, "stub_plain": True})
-    # The prompt is costed at the gateway's own count, so the stop falls where the clamp did.
+    # Each of the stub's chunks (" t17") is several tokens: the stop comes after fewer chunks
+    # than the clamp allows tokens, and before the budget is passed.
     clamp = budget_stack.stub["bodies"][-1]["max_tokens"]
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == clamp
-    assert chunks[-1].usage.completion_tokens == clamp and chunks[-1].usage.model_extra["cost_usd"] <= BUDGET
+    delivered = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert 0 < len(delivered) < clamp
+    # Stopped before the instance's usage came: what was delivered is costed by counting its text.
+    usage = chunks[-1].usage
+    assert usage.model_extra["cost_source"] == "counted"
+    assert usage.completion_tokens == TokenCounter().count("".join(delivered)) <= clamp
+    assert usage.model_extra["cost_usd"] <= BUDGET
     assert budget_stack.stub["closed_after"] < STUB_CHUNKS
 
 

@@ -18,6 +18,7 @@ from gateway.config import (
     load_config,
     parse_config,
 )
+from gateway.engine.profiles import spec_for_instance
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -295,10 +296,13 @@ def test_missing_or_empty_instances():
     assert err.key == "instances" and "at least one" in err.reason
 
 
-def test_gpu_memory_needed_when_gpu_name_does_not_say():
-    err = error_of({"instances": [minimal_instance(gpu="H100")]})
-    assert err.key == "instances[0].gpu_memory_gb"
-    assert parse_config({"instances": [minimal_instance(gpu="H100", gpu_memory_gb=80)]})
+def test_gpu_memory_is_optional_for_a_real_instance_and_needed_to_emulate_it():
+    unknown = parse_config({"instances": [minimal_instance(gpu="H100")]}).instances[0]
+    assert unknown.gpu_memory_gb is None
+    with pytest.raises(ValueError, match="gpu_memory_gb"):
+        spec_for_instance(unknown)
+    given = parse_config({"instances": [minimal_instance(gpu="H100", gpu_memory_gb=80)]}).instances[0]
+    assert spec_for_instance(given).num_gpu_blocks > 0
 
 
 def test_tensor_parallel_above_gpu_count():

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import RECORDS, small_config
 from gateway.estimators import ArtefactError
-from gateway.estimators.build import _covers, ensure_built, format_report, inputs_from_config
+from gateway.estimators.build import ensure_built, format_report
 from gateway.estimators.bundle import Estimators
 from gateway.workload import MAX_OUTPUT_TOKENS, split
 from gateway.workload.synthetic import generate
@@ -22,7 +22,7 @@ def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
     assert knn["best_model_hit_rate"] > knn["random_hit_rate"]
     assert knn["quality_oracle"] > knn["quality_of_picks"] > min(knn["quality_always"].values())
     tiers = {f"{i.model}@{i.gpu}" for i in cfg.instances}
-    assert set(manifest["heads"]["files"]) == tiers
+    assert set(manifest["heads"]) == tiers
     for tier, h in manifest["report"]["heads"].items():
         assert h["head_mae_ms"] < h["prior_mae_ms"], tier
     text = format_report(manifest)
@@ -32,14 +32,9 @@ def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
 def test_ensure_built_reuses_current_artefacts(built):
     cfg, manifest, _ = built
     assert ensure_built(cfg)["built_at"] == manifest["built_at"]
-    # A pool that dropped a tier is still served by the build; one with a tier it lacks is not.
+    # A pool that dropped a tier is still served by the build (test_real_instances.py: what else is).
     fewer = dataclasses.replace(cfg, instances=tuple(i for i in cfg.instances if "72B" not in i.model))
     assert ensure_built(fewer)["built_at"] == manifest["built_at"]
-    wanted = inputs_from_config(cfg).fingerprint()
-    faster = dataclasses.replace(cfg, instances=tuple(dataclasses.replace(i, tpot_prior_ms=i.tpot_prior_ms / 2)
-                                                      for i in cfg.instances))
-    assert not _covers(wanted, inputs_from_config(faster).fingerprint())
-    assert _covers(wanted, inputs_from_config(fewer).fingerprint())
 
 
 def test_identical_prompts_get_identical_estimates_and_batch_matches_single(built):

@@ -186,6 +186,7 @@ def test_a_stream_is_stopped_when_its_budget_runs_out(tmp_path):
         await web.TCPSite(runner, "127.0.0.1", port).start()
 
     stack.call(start())
+    stack.wait_routable()
     try:
         # 20 prompt tokens at 0.06 USD/M = 1.2e-6; 3.0e-6 leaves 1.8e-6, 30 answer tokens.
         budget = 3.0e-6

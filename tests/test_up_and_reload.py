@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import pool_config, wait_for
+from conftest import ADMIN, ADMIN_TOKEN, pool_config, wait_for
 
 
 def model_ids(root: str) -> set[str]:
@@ -28,7 +28,7 @@ def command() -> list[str]:
 
 @pytest.fixture
 def up(tmp_path, request):
-    path = pool_config(tmp_path, server={"config_watch_interval_s": request.param})
+    path = pool_config(tmp_path, server={"config_watch_interval_s": request.param, "admin_token": ADMIN_TOKEN})
     proc = subprocess.Popen([*command(), "up", "--config", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     text = path.read_text()
@@ -75,12 +75,12 @@ def test_sighup_and_admin_reload_then_ctrl_c_stops_cleanly(up):
     wait_for(lambda: "router" in model_ids(root), what="SIGHUP reload")
 
     path.write_text(original.replace('aliases = ["auto"]', 'aliases = "auto"'))
-    r = httpx.post(root + "/admin/reload", timeout=5)
+    r = httpx.post(root + "/admin/reload", headers=ADMIN, timeout=5)
     assert r.status_code == 400 and "aliases" in r.json()["error"]["message"]
     assert "router" in model_ids(root)
 
     path.write_text(original)
-    assert httpx.post(root + "/admin/reload", timeout=5).status_code == 200
+    assert httpx.post(root + "/admin/reload", headers=ADMIN, timeout=5).status_code == 200
     assert "router" not in model_ids(root)
 
     # Ctrl-C stops emulator and gateway, with exit status 0.
@@ -95,12 +95,12 @@ def test_admin_reload_endpoint_swaps_config(stack, tmp_path):
     original = stack.config_path.read_text()
     try:
         stack.config_path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "any"]'))
-        r = httpx.post(stack.root + "/admin/reload", timeout=5)
+        r = httpx.post(stack.root + "/admin/reload", headers=ADMIN, timeout=5)
         assert r.status_code == 200 and r.json()["reloaded"] is True
         assert "any" in model_ids(stack.root)
     finally:
         stack.config_path.write_text(original)
-        assert httpx.post(stack.root + "/admin/reload", timeout=5).status_code == 200
+        assert httpx.post(stack.root + "/admin/reload", headers=ADMIN, timeout=5).status_code == 200
     assert "any" not in model_ids(stack.root)
 
 

@@ -21,6 +21,8 @@ WEIGHTS_HEADER = "X-Route-Weights"
 BUDGET_HEADER = "X-Route-Budget-USD"
 POLICY_HEADER = "X-Route-Policy"
 WEIGHT_KEYS = ("quality", "latency", "cost")
+MAX_JSON_DEPTH = 64  # nesting a request may have; deeper cannot be re-encoded for the instance (orjson stops at 255)
+MAX_N = 128  # answers per request (OpenAI's limit for n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,8 @@ class CompletionRequest:
     prompt_text: str  # what estimators see: the last user turn, or the prompt
     max_tokens: int | None
     routing: RoutingOptions
+    n: int = 1  # answers the instance generates, each paid for: n, or best_of if larger
+    tools: tuple = ()  # function signatures (tools, or legacy functions): part of the prompt that is paid for
 
 
 def parse_body(raw: bytes) -> dict:
@@ -54,7 +58,19 @@ def parse_body(raw: bytes) -> dict:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    _check_depth(body)
     return body
+
+
+def _check_depth(body: dict) -> None:
+    """400 for JSON nested deeper than MAX_JSON_DEPTH (walked without recursion)."""
+    stack: list[tuple[object, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))  # type: ignore[union-attr]
 
 
 def _is_number(v) -> bool:
@@ -221,9 +237,29 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
     _check_number(body, "top_p", 0.0, 1.0)
     _check_number(body, "frequency_penalty", -2.0, 2.0)
     _check_number(body, "presence_penalty", -2.0, 2.0)
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ApiError(400, "'n' must be an integer >= 1", "n")
+    n = max(_count_of(body, "n"), _count_of(body, "best_of"))
+    tools = _tools(body) if chat else ()
 
     routing = parse_routing(body.pop("routing", None), headers, presets, policies)
-    return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing)
+    return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing, n, tools)
+
+
+def _count_of(body: dict, name: str) -> int:
+    v = body.get(name)
+    if v is None:
+        return 1
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_N:
+        raise ApiError(400, f"'{name}' must be an integer from 1 to {MAX_N}", name)
+    return v
+
+
+def _tools(body: dict) -> tuple:
+    """The function signatures the template writes into the prompt: `tools`, or the legacy `functions`."""
+    for name in ("tools", "functions"):
+        given = body.get(name)
+        if given is None:
+            continue
+        if not isinstance(given, list) or not all(isinstance(t, dict) for t in given):
+            raise ApiError(400, f"'{name}' must be an array of objects", name)
+        return tuple(given) if name == "tools" else tuple({"type": "function", "function": f} for f in given)
+    return ()

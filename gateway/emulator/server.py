@@ -49,8 +49,10 @@ def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
             raise _BadRequest("'messages' must be a non-empty list", "messages")
         texts = [content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
         last_user = [t for m, t in zip(messages, texts, strict=True) if isinstance(m, dict) and m.get("role") == "user"]
+        tools = body.get("tools")
+        tools = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
         # Labels are keyed by the last user turn, which is what a router sees as "the prompt".
-        return (last_user[-1] if last_user else "") or texts[-1], tokens.count_chat(messages)
+        return (last_user[-1] if last_user else "") or texts[-1], tokens.count_chat(messages, tools)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

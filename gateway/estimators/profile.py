@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from types import SimpleNamespace
 
 import aiohttp
 import orjson
@@ -20,9 +21,12 @@ from gateway.estimators.latency import FEATURES
 from gateway.estimators.traces import trace_row
 from gateway.scheduling.ledger import InstanceState
 from gateway.scheduling.view import tier_key
-from gateway.telemetry import parse_vllm_metrics
+from gateway.telemetry import ScrapeLog, diagnose, scrape_once
 
 log = logging.getLogger("routebalance.profile")
+# Said when the profiled instance has no usable /metrics: the features of its traces then come from
+# the profiler's own accounting alone, as the gateway's view of such an instance does.
+WITHOUT_METRICS = "the traces carry only the profiler's own accounting of what it sent (dead reckoning)"
 FILLER = "please summarise the following notes about the project plan and its risks "
 
 
@@ -33,13 +37,20 @@ def prompt_of(tokens: int) -> str:
 
 
 async def _scrape_forever(session, url: str, view: InstanceState, interval_s: float, timeout: aiohttp.ClientTimeout):
+    """The instance's /metrics into `view` on its own clock, as the gateway scrapes (stale features when a
+    scrape fails); a page that is missing or not vLLM's is said once, not every interval."""
     loop = asyncio.get_running_loop()
+    scrape_log = ScrapeLog(consequence=WITHOUT_METRICS)
+    target = SimpleNamespace(name=url, url=url)
     while True:
-        try:
-            async with session.get(url + "/metrics", timeout=timeout) as resp:
-                view.scraped(parse_vllm_metrics(await resp.text()), loop.time())
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
-            log.warning("scrape of %s failed: %s", url, e)  # stale features, as the gateway would have
+        if scrape_log.due(target, loop.time()):
+            try:
+                snap = await scrape_once(session, url, timeout)
+            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+                scrape_log.failed(target, diagnose(e, url, timeout.total), loop.time())
+            else:
+                scrape_log.succeeded(target, loop.time())
+                view.scraped(snap, loop.time())
         await asyncio.sleep(interval_s)
 
 

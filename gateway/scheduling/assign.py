@@ -134,7 +134,7 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
 def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, view: PoolView,
                latency: BatchLatency, options: RouteBalanceOptions) -> Decision:
     length = est.length[r, cands]
-    cost = predicted_cost(req.input_tokens, length, view.price_in[cands], view.price_out[cands])
+    cost = predicted_cost(req.input_tokens, length * req.n, view.price_in[cands], view.price_out[cands])
     if options.latency_term == "prior":  # the paper's arm 4: nominal TPOT x length, no instance state
         t = latency.tpot[r, cands] * length
     else:
@@ -143,11 +143,11 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep, fallback = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
-                                       view.price_out[cands], options.budget_filter)
+                                       view.price_out[cands], options.budget_filter, req.n)
         if not keep.any():
             if fallback is None:
                 return Decision((), refused=refusal(req.budget_usd, req.input_tokens, view.price_in[cands],
-                                                    view.price_out[cands]))
+                                                    view.price_out[cands], req.n))
             best = fallback[0]
             return Decision(tuple(int(c) for c in cands[fallback]), quality=float(quality[best]),
                             cost_usd=float(cost[best]), latency_s=float(t[best]), tokens=float(length[best]))
@@ -173,16 +173,16 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
 
 
 def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
-                  use_filter: bool) -> tuple[np.ndarray, np.ndarray | None]:
+                  use_filter: bool, n: int = 1) -> tuple[np.ndarray, np.ndarray | None]:
     """Eq. 2 over one request's candidates: (mask of those kept, fallback order).
 
     Kept: predicted cost within the budget (or, with the filter off, able to
-    pay for the prompt and one answer token; the dispatch clamp does the
-    rest). If none is kept, the fallback is the candidates that can pay for
-    the prompt and one token, cheapest first: they serve an answer clamped to
-    what the budget buys. No fallback (None) means the request is refused.
+    pay for the prompt and one token for each of the `n` answers; the dispatch
+    clamp does the rest). If none is kept, the fallback is the candidates that
+    can pay for that, cheapest first: they serve answers clamped to what the
+    budget buys. No fallback (None) means the request is refused.
     """
-    payable = within_budget(predicted_cost(input_tokens, 1, price_in, price_out), budget)
+    payable = within_budget(predicted_cost(input_tokens, n, price_in, price_out), budget)
     keep = within_budget(cost, budget) & payable if use_filter else payable
     if keep.any() or not payable.any():
         return keep, None
@@ -190,8 +190,9 @@ def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: 
     return keep, idx[np.argsort(cost[idx], kind="stable")]
 
 
-def refusal(budget: float, input_tokens: int, price_in: np.ndarray, price_out: np.ndarray) -> Refusal:
-    cheapest = float(predicted_cost(input_tokens, 1, price_in, price_out).min()) if len(price_in) else 0.0
-    return Refusal(402, f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and one "
-                        f"answer token on any candidate instance; the cheapest needs {cheapest:.8f} USD",
+def refusal(budget: float, input_tokens: int, price_in: np.ndarray, price_out: np.ndarray, n: int = 1) -> Refusal:
+    cheapest = float(predicted_cost(input_tokens, n, price_in, price_out).min()) if len(price_in) else 0.0
+    answers = "one answer token" if n == 1 else f"one token for each of {n} answers"
+    return Refusal(402, f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and "
+                        f"{answers} on any candidate instance; the cheapest needs {cheapest:.8f} USD",
                    "budget", "routing.budget_usd", "insufficient_budget")

@@ -35,18 +35,22 @@ def within_budget(cost_usd: Amount, budget_usd: float) -> Any:
 
 
 def clamp_max_tokens(budget_usd: float, input_tokens: int, price_in: float, price_out: float,
-                     requested: int | None = None) -> int | None:
-    """The max_tokens to dispatch with: min(requested, what the budget buys after the input).
+                     requested: int | None = None, n: int = 1, ceiling: int | None = None) -> int | None:
+    """The max_tokens to dispatch with: the least of `requested`, what the budget buys after
+    the input for each of the `n` answers, and `ceiling` (the most the instance accepts,
+    max_model_len minus the prompt).
 
-    `requested` None means the client set no limit. Returns None when the budget
-    cannot pay the input plus one output token. Free output (price_out == 0) is
-    not bounded by the budget, so `requested` comes back unchanged, None
-    included: where output may be free, tell the two Nones apart by checking
-    payability first (the scheduler's Eq. 2 filter does).
+    `requested` None means the client set no limit. Returns None only when the
+    budget cannot pay the input plus one output token per answer, or when nothing
+    bounds it (no request, no ceiling, and output free or a budget too large to matter).
     """
-    if price_out <= 0:
-        return requested if within_budget(input_tokens * price_in, budget_usd) else None
-    affordable = math.floor((budget_usd * (1 + REL_TOL) - input_tokens * price_in) / price_out)
-    if affordable < 1:
+    if not within_budget(predicted_cost(input_tokens, n, price_in, price_out), budget_usd):
         return None
-    return affordable if requested is None else min(requested, affordable)
+    cap = max(ceiling, 1) if ceiling is not None else None  # a prompt past the context is the instance's to refuse
+    limits = [v for v in (requested, cap) if v is not None]
+    if price_out > 0:
+        buys = (budget_usd * (1 + REL_TOL) - input_tokens * price_in) / (price_out * n)
+        # Compared as floats: a budget of 1e303 USD buys more tokens than an int can be made of.
+        if math.isfinite(buys) and (not limits or buys < min(limits)):
+            limits.append(math.floor(buys))
+    return min(limits) if limits else None

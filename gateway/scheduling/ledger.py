@@ -13,13 +13,79 @@ No clock is read here: every method takes `now`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from gateway.scheduling.budget import per_token
 from gateway.scheduling.view import PoolView, tier_key
 
-DOWN_FOR_S = 2.0  # after a connect failure, skip the instance this long before trying it again
+
+class HealthRules(Protocol):
+    """When failures cool an instance down, and for how long (the config's [health])."""
+
+    @property
+    def failure_threshold(self) -> int: ...
+    @property
+    def cooldown_s(self) -> float: ...
+    @property
+    def max_cooldown_s(self) -> float: ...
+
+
+@dataclass(slots=True)
+class Health:
+    """Passive health of one instance, a circuit breaker: closed while attempts succeed;
+    open (cooling down, not routable) after `failure_threshold` failures in a row; then
+    half-open: one request probes it, and its outcome closes the circuit or opens it
+    again for twice as long (up to the rules' maximum)."""
+
+    failures: int = 0  # consecutive failed attempts since the last success
+    cooldown_until: float = 0.0
+    cooldowns: int = 0  # cooldowns since the last success: the backoff's exponent
+    probe: object | None = None  # the request probing a half-open instance
+
+    def routable(self, now: float) -> bool:
+        return now >= self.cooldown_until and (self.cooldowns == 0 or self.probe is None)
+
+    def cooling(self, now: float) -> bool:
+        return now < self.cooldown_until
+
+    def attempt(self, rid: object, now: float) -> None:
+        """An attempt goes out; after a cooldown the first one is the probe."""
+        if self.cooldowns and self.probe is None and not self.cooling(now):
+            self.probe = rid
+
+    def succeeded(self, rid: object) -> None:
+        """It answered: the circuit closes, whatever it was (an answer is the best health check)."""
+        self.failures = self.cooldowns = 0
+        self.cooldown_until = 0.0
+        self.probe = None
+
+    def failed(self, rid: object, now: float, rules: HealthRules) -> None:
+        probing = rid is not None and self.probe is rid
+        if probing:
+            self.probe = None
+        if self.cooling(now):  # an attempt sent before the cooldown began: the circuit is open already
+            return
+        self.failures += 1
+        if probing or self.failures >= rules.failure_threshold:
+            self.cooldown_until = now + min(rules.cooldown_s * 2 ** self.cooldowns, rules.max_cooldown_s)
+            self.cooldowns += 1
+            self.failures = 0
+
+    def unreachable(self, rid: object, now: float, rules: HealthRules) -> None:
+        """It refused a connection (an attempt's or a scrape's): down now, without waiting for a
+        threshold, and kept down while it keeps refusing; then a probe decides."""
+        if rid is not None and self.probe is rid:
+            self.probe = None
+        self.cooldown_until = max(self.cooldown_until, now + rules.cooldown_s)
+        self.cooldowns = max(self.cooldowns, 1)
+        self.failures = 0
+
+    def abandoned(self, rid: object) -> None:
+        """The request ended without a verdict on the instance (its client left): another may probe."""
+        if self.probe is rid:
+            self.probe = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +118,7 @@ class InstanceState:
     last: EngineSnapshot | None = None
     last_at: float = 0.0
     decode_rate: float = 0.0  # generation tokens/s between the last two scrapes
-    down_until: float = 0.0
+    health: Health = field(default_factory=Health)
     in_flight: dict = field(default_factory=dict)
 
     def scraped(self, snap: EngineSnapshot, now: float) -> None:
@@ -113,11 +179,12 @@ class PoolLedger:
             state = self.by_name[name] = InstanceState()
         return state
 
-    def mark_down(self, name: str, now: float) -> None:
-        self.of(name).down_until = now + DOWN_FOR_S
+    def routable(self, name: str, now: float) -> bool:
+        return self.of(name).health.routable(now)
 
-    def mark_up(self, name: str) -> None:
-        self.of(name).down_until = 0.0
+    def unreachable(self, name: str, now: float, rules: HealthRules) -> None:
+        """A scrape could not connect."""
+        self.of(name).health.unreachable(None, now, rules)
 
     def waiting(self, instances, now: float, stale_after_s: float) -> list[float]:
         """Requests waiting in each instance's own queue, from fresh scrapes (0 if unknown)."""
@@ -135,7 +202,7 @@ class PoolLedger:
         running, waiting, kv_usage, decode_rate, in_flight, pending_prefill, pending_decode = columns
         return PoolView(
             instances=instances,
-            available=np.array([s.down_until <= now for s in states], dtype=bool),
+            available=np.array([s.health.routable(now) for s in states], dtype=bool),
             running=running, waiting=waiting, kv_usage=kv_usage, decode_rate=decode_rate, in_flight=in_flight,
             pending_prefill=pending_prefill, pending_decode=pending_decode,
             max_num_seqs=np.array([i.max_num_seqs for i in instances], dtype=np.float64),

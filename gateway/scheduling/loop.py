@@ -241,19 +241,31 @@ class SchedulingLoop:
         if first is not None:
             self._book(ticket, first.instance, now)
 
-    def plans(self, ticket: Ticket, now: float) -> Iterator[DispatchPlan]:
-        """The attempts for a decided request, best first: its ranked instances (those the
-        ledger knows to be down last), each with max_tokens clamped to what the budget buys
-        there; an instance whose prices leave nothing for an answer is skipped."""
+    def plans(self, ticket: Ticket, now: float | Callable[[], float],
+              budget_usd: Callable[[], float | None] | None = None) -> Iterator[DispatchPlan]:
+        """The attempts for a decided request, best first: its ranked instances that are
+        routable when their turn comes (not cooling down after failures), each with
+        max_tokens clamped to what the budget buys there and to what the instance
+        accepts (max_model_len minus the prompt). An instance whose prices leave nothing
+        for an answer is skipped.
+
+        `now` and `budget_usd` may be functions, read as each attempt is planned: time
+        passes and money is spent between attempts (a failed attempt is paid for too,
+        and a key's other requests spend concurrently). Without `budget_usd` the
+        request's own budget applies."""
         cfg, req = ticket.config, ticket.request
+        clock = now if callable(now) else (lambda: now)
         ranked = ticket.decision.ranked if ticket.decision else ()
-        up = [i for i in ranked if self.ledger.of(cfg.instances[i].name).down_until <= now]
-        for i in up + [i for i in ranked if i not in up]:
+        for i in ranked:
             inst = cfg.instances[i]
+            if not self.ledger.routable(inst.name, clock()):
+                continue
+            budget = budget_usd() if budget_usd is not None else req.budget_usd
             max_tokens = req.max_tokens
-            if req.budget_usd is not None:
-                max_tokens = clamp_max_tokens(req.budget_usd, req.input_tokens, per_token(inst.price_input_per_mtok),
-                                              per_token(inst.price_output_per_mtok), req.max_tokens)
+            if budget is not None:
+                max_tokens = clamp_max_tokens(budget, req.input_tokens, per_token(inst.price_input_per_mtok),
+                                              per_token(inst.price_output_per_mtok), req.max_tokens, req.n,
+                                              inst.max_model_len - req.input_tokens)
                 if max_tokens is None:
                     continue
             yield DispatchPlan(i, max_tokens, max_tokens != req.max_tokens)
@@ -261,7 +273,23 @@ class SchedulingLoop:
     def dispatched(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:
         """An attempt goes out on `plan`: the request's booking moves there if it was elsewhere."""
         self._book(ticket, plan.instance, now)
+        self.ledger.of(ticket.config.instances[plan.instance].name).health.attempt(ticket, now)
         self._tell(ticket.decided_by, "on_dispatch", ticket, plan, now)
+
+    def attempt_failed(self, ticket: Ticket, plan: DispatchPlan, now: float, unreachable: bool = False) -> None:
+        """The attempt on `plan` failed (reset, timed out, 5xx, wrong model): the instance's health
+        hears it, and enough failures in a row cool it down. `unreachable` (the connection was
+        refused): it cools down at once."""
+        cfg = ticket.config
+        health = self.ledger.of(cfg.instances[plan.instance].name).health
+        if unreachable:
+            health.unreachable(ticket, now, cfg.health)
+        else:
+            health.failed(ticket, now, cfg.health)
+
+    def attempt_succeeded(self, ticket: Ticket, plan: DispatchPlan) -> None:
+        """The instance answered the attempt on `plan`: it is healthy."""
+        self.ledger.of(ticket.config.instances[plan.instance].name).health.succeeded(ticket)
 
     def _book(self, ticket: Ticket, i: int, now: float) -> None:
         name = ticket.config.instances[i].name
@@ -274,7 +302,9 @@ class SchedulingLoop:
 
     def _unbook(self, ticket: Ticket) -> None:
         if ticket.booked_on is not None:
-            self.ledger.of(ticket.booked_on).done(ticket)
+            state = self.ledger.of(ticket.booked_on)
+            state.done(ticket)
+            state.health.abandoned(ticket)
             ticket.booked_on = None
 
     # ---- what comes back -------------------------------------------------------------

@@ -22,8 +22,9 @@ class RouteRequest:
     input_tokens: int  # counted (or estimated) prompt tokens, for the cost estimate
     max_tokens: int | None  # what the client asked for
     weights: tuple[float, float, float]  # Eq. 1 weights: quality, latency, cost (sum 1)
-    budget_usd: float | None = None
+    budget_usd: float | None = None  # the request's own budget, or its key's remaining spend if smaller
     policy: str = "routebalance"  # a registered policy's name
+    n: int = 1  # answers generated per request (OpenAI's n, or best_of): each is paid for
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,7 +153,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     def scrape(t: float) -> None:
         for k, (inst, e) in enumerate(zip(instances, engines, strict=True)):
             if k in down:
-                ledger.mark_down(inst.name, t)  # a scrape that cannot connect marks the instance down
+                ledger.unreachable(inst.name, t, cfg.health)  # a scrape that cannot connect counts as a failure
                 continue
             ledger.of(inst.name).scraped(
                 EngineSnapshot(e.num_running, e.num_waiting, e.kv_usage(), generated[k], prefilled[k]), t)
@@ -175,7 +175,12 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             rid, out = ticket.handle, outcomes[ticket.handle]
             # A down instance refuses the connection: the next plan is tried, as live.
             refused = ticket.decision is None or ticket.decision.refused is not None
-            plan = None if refused else next((p for p in core.plans(ticket, t) if p.instance not in down), None)
+            plan = None
+            for p in () if refused else core.plans(ticket, t):
+                if p.instance not in down:
+                    plan = p
+                    break
+                core.attempt_failed(ticket, p, t, unreachable=True)
             if plan is None:
                 out.finished = t  # refused: answered at once with an error
                 core.complete(ticket, Completion(False, None), t)

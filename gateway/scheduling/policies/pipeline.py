@@ -60,7 +60,8 @@ class PipelinePolicy(Policy):
             decisions.append(Decision(
                 tuple(ranked),
                 quality=float(estimates.quality[r, best]),
-                cost_usd=float(predicted_cost(req.input_tokens, tokens, view.price_in[best], view.price_out[best])),
+                cost_usd=float(predicted_cost(req.input_tokens, tokens * req.n, view.price_in[best],
+                                              view.price_out[best])),
                 latency_s=float(view.tpot_prior_s[best] * tokens),
                 tokens=tokens,
             ))

@@ -1,0 +1,106 @@
+"""The money of one request: its budget across attempts, and its key's spend.
+
+Every attempt is paid for. One that reached its instance and failed costs its
+prompt (the instance read it); one that answered costs what its usage says.
+So a retry spends from what the first attempt left of the budget, and the
+key is booked for both. Before each attempt the attempt's worst case (the
+prompt plus the clamped max_tokens for each of the n answers) is reserved
+against the key; concurrent requests of one key therefore cannot overspend
+it by more than the rounding of one request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from gateway.api.errors import ApiError
+from gateway.config import ApiKey
+from gateway.scheduling.budget import per_token, predicted_cost
+from gateway.trust.spend import Reservation, SpendLedger, SpendStoreError
+
+log = logging.getLogger("routebalance.accounting")
+
+
+def spend_limit_error(key: ApiKey) -> ApiError:
+    return ApiError(402, f"the key {key.name!r} has reached its spend limit of {key.spend_limit_usd} USD "
+                         f"for this {'period' if key.period == 'total' else key.period}",
+                    None, "spend_limit_exceeded")
+
+
+def store_error(e: SpendStoreError) -> ApiError:
+    log.error("the spend ledger failed: %s", e)
+    return ApiError(503, "the spend ledger is unavailable; requests of keys are refused until it is back",
+                    None, "ledger_unavailable")
+
+
+def worst_case_usd(instance, input_tokens: int, max_tokens: int | None, n: int) -> float:
+    """The most an attempt can cost: the prompt, and max_tokens (else all the context left) per answer."""
+    answer = max_tokens if max_tokens is not None else max(instance.max_model_len - input_tokens, 1)
+    return float(predicted_cost(input_tokens, answer * n, per_token(instance.price_input_per_mtok),
+                                per_token(instance.price_output_per_mtok)))
+
+
+class RequestSpend:
+    """What one request may still spend and what it has paid; `clock` gives epoch seconds
+    (spend periods are calendar days and months)."""
+
+    def __init__(self, budget_usd: float | None, key: ApiKey | None, ledger: SpendLedger | None,
+                 clock: Callable[[], float]):
+        self.budget_usd = budget_usd
+        self.key = key if key is not None and ledger is not None else None
+        self.ledger = ledger
+        self.clock = clock
+        self.paid_usd = 0.0
+        self.held: Reservation | None = None
+
+    def key_remaining(self) -> float | None:
+        if self.key is None or self.ledger is None:
+            return None
+        try:
+            return self.ledger.remaining(self.key, self.clock())
+        except SpendStoreError as e:
+            raise store_error(e) from None
+
+    def budget_left(self) -> float | None:
+        """What the next attempt may cost: the request's budget less what it paid, capped by its key's remaining
+        spend; None when neither bounds it."""
+        bounds = [v for v in (self.own_left(), self.key_remaining()) if v is not None]
+        return min(bounds) if bounds else None
+
+    def own_left(self) -> float | None:
+        return None if self.budget_usd is None else max(self.budget_usd - self.paid_usd, 0.0)
+
+    def limited_by_key(self) -> bool:
+        """The key's remaining spend, not the request's budget, is what binds."""
+        key_left, own = self.key_remaining(), self.own_left()
+        return key_left is not None and (own is None or key_left < own)
+
+    def refusal(self) -> ApiError:
+        """Why no attempt could be paid for."""
+        if self.key is not None and self.limited_by_key():
+            return spend_limit_error(self.key)
+        return ApiError(402, "the budget cannot pay for this prompt on any remaining candidate",
+                        "routing.budget_usd", "insufficient_budget")
+
+    def reserve(self, worst_usd: float) -> None:
+        """Hold an attempt's worst case against the key; 402 if the key cannot cover it."""
+        if self.key is None or self.ledger is None:
+            return
+        try:
+            self.held = self.ledger.reserve(self.key, worst_usd, self.clock())
+        except SpendStoreError as e:
+            raise store_error(e) from None
+        if self.held is None:
+            raise spend_limit_error(self.key)
+
+    def pay(self, cost_usd: float) -> None:
+        """The attempt is over and cost this much: the request and its key are charged once."""
+        self.paid_usd += cost_usd
+        held, self.held = self.held, None
+        if held is not None and self.ledger is not None:
+            try:
+                self.ledger.settle(held, cost_usd)
+            except SpendStoreError as e:  # kept in memory by the ledger, written with the next booking
+                log.error("booking %.10f USD for key %s failed (kept, retried with the next): %s",
+                          cost_usd, held.key, e)

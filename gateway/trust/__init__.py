@@ -1,0 +1,1 @@
+"""Trust: API keys, anonymous access, per-key spend limits and request rates."""

@@ -1,0 +1,134 @@
+"""Programmable OpenAI-compatible upstreams on loopback, and a gateway in front of them.
+
+Each stub answers as its `mode` says, so a test can make one instance fail,
+stall, cut its stream, send no usage or an enormous answer, while the gateway
+under test is the real one (started as `routebalance serve` starts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from conftest import Stack, dump_toml, free_port
+from gateway.tokens import TokenCounter
+
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+TOKEN = " w"  # one Qwen2.5 token: the stub's answers are this, repeated
+COUNTER = TokenCounter()
+
+
+@dataclass
+class Stub:
+    """One upstream instance. `mode` keys (all optional):
+    status   answer every completion with this HTTP status (e.g. 500, 404)
+    usage    False: send no usage, in full answers or streams (as llama.cpp streams)
+    tokens   answer length in tokens when the request sets no max_tokens (default 20)
+    huge     a non-streamed answer of this many bytes
+    cut      a stream that closes after this many token events, with no end
+    delay_s  wait this long before answering
+    """
+
+    port: int = field(default_factory=free_port)
+    mode: dict = field(default_factory=dict)
+    requests: list = field(default_factory=list)  # (headers, body) of each completion request
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append((dict(request.headers), body))
+        mode = self.mode
+        if mode.get("delay_s"):
+            await asyncio.sleep(mode["delay_s"])
+        if mode.get("status"):
+            return web.json_response({"error": {"message": "stub failure", "type": "stub"}}, status=mode["status"])
+        if mode.get("huge"):
+            return web.Response(body=b'{"pad": "' + b"x" * mode["huge"] + b'"}', content_type="application/json")
+        n = body.get("n") or 1
+        tokens = body.get("max_tokens") or body.get("max_completion_tokens") or mode.get("tokens", 20)
+        prompt = COUNTER.count_chat(body["messages"], body.get("tools") or ()) if "messages" in body else 10
+        usage = {"prompt_tokens": prompt, "completion_tokens": tokens * n, "total_tokens": prompt + tokens * n}
+        send_usage = mode.get("usage", True)
+        if not body.get("stream"):
+            choices = [{"index": i, "message": {"role": "assistant", "content": TOKEN * tokens},
+                        "finish_reason": "length"} for i in range(n)]
+            answer = {"id": "stub", "object": "chat.completion", "created": 1, "model": body["model"],
+                      "choices": choices, **({"usage": usage} if send_usage else {})}
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": "stub", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
+        for k in range(tokens):
+            if mode.get("cut") is not None and k == mode["cut"]:
+                request.transport.close()  # the instance dies mid-answer
+                return resp
+            reason = "length" if k == tokens - 1 else None
+            choices = [{"index": i, "delta": {"content": TOKEN}, "finish_reason": reason} for i in range(n)]
+            await resp.write(_event({**head, "choices": choices}))
+        if send_usage and (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(_event({**head, "choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def stub_instance(stub: Stub, name: str, **overrides) -> dict:
+    return {"name": name, "url": stub.url, "model": MODEL, "gpu": "A30-24GB", "price_input_per_mtok": 0.2,
+            "price_output_per_mtok": 0.4, "tpot_prior_ms": 20.0, **overrides}
+
+
+def stub_config(tmp: Path, stubs: list[Stub], instances: list[dict] | None = None, **sections) -> Path:
+    """A config of the stubs (passthrough+round_robin: no estimators needed) with `sections` merged in."""
+    data: dict = {"server": {"port": free_port(), "config_watch_interval_s": 0.2},
+                  "scheduler": {"policy": "passthrough+round_robin"},
+                  "telemetry": {"scrape_interval_s": 60.0, "stale_after_s": 120.0},
+                  "instances": instances or [stub_instance(s, f"stub-{k}") for k, s in enumerate(stubs)]}
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    path = tmp / "config.toml"
+    path.write_text(dump_toml(data))
+    return path
+
+
+class StubStack(Stack):
+    """The real gateway (no emulator) in front of stubs started on its loop."""
+
+    def __init__(self, config_path: Path, stubs: list[Stub]):
+        self.stubs = stubs
+        self._pending = stubs
+        super().__init__(config_path, emulate=False)
+
+    async def _start(self):
+        for stub in self._pending:
+            await stub.start()
+        return await super()._start()
+
+    def stop(self) -> None:
+        async def stop_stubs():
+            for stub in self.stubs:
+                await stub.stop()
+        self.call(stop_stubs())
+        super().stop()
