@@ -4,9 +4,11 @@ Every attempt is paid for. One that reached its instance and failed costs its
 prompt (the instance read it); one that answered costs what its usage says.
 So a retry spends from what the first attempt left of the budget, and the
 key is booked for both. Before each attempt the attempt's worst case (the
-prompt plus the clamped max_tokens for each of the n answers) is reserved
-against the key; concurrent requests of one key therefore cannot overspend
-it by more than the rounding of one request.
+prompt plus the clamped max_tokens for each of the n answers; the whole
+context for a prompt with images or audio, which the gateway cannot count) is
+reserved against the key, so concurrent requests of one key cannot take it
+past its limit together; an attempt whose real cost passes its reservation
+(a prompt that tokenises longer than counted) overspends by that difference.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ def store_error(e: SpendStoreError) -> ApiError:
                     None, "ledger_unavailable")
 
 
-def worst_case_usd(instance, input_tokens: int, max_tokens: int | None, n: int) -> float:
-    """The most an attempt can cost: the prompt, and max_tokens (else all the context left) per answer."""
+def worst_case_usd(instance, input_tokens: int, max_tokens: int | None, n: int, has_media: bool = False) -> float:
+    """The most an attempt can cost: the prompt, and max_tokens (else all the context left) per answer.
+    A prompt with images or audio may be far longer than its counted text: up to the whole context."""
+    prompt = instance.max_model_len if has_media else input_tokens
     answer = max_tokens if max_tokens is not None else max(instance.max_model_len - input_tokens, 1)
-    return float(predicted_cost(input_tokens, answer * n, per_token(instance.price_input_per_mtok),
+    return float(predicted_cost(prompt, answer * n, per_token(instance.price_input_per_mtok),
                                 per_token(instance.price_output_per_mtok)))
 
 
@@ -99,6 +103,9 @@ class RequestSpend:
         self.paid_usd += cost_usd
         held, self.held = self.held, None
         if held is not None and self.ledger is not None:
+            if cost_usd == 0:  # it never reached an instance, or was refused: nothing to book
+                self.ledger.release(held)
+                return
             try:
                 self.ledger.settle(held, cost_usd)
             except SpendStoreError as e:  # kept in memory by the ledger, written with the next booking

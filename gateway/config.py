@@ -82,10 +82,13 @@ class Server(Section):
     # clients cannot hold connections longer.
     keepalive_timeout_s: float = option(15.0, gt=0)
     body_timeout_s: float = option(30.0, gt=0)
+    # A streaming client that takes no data for this long is dropped (and its upstream request aborted).
+    write_timeout_s: float = option(30.0, gt=0)
     # Client connections open at once; past it new connections are closed at once.
     max_connections: int = option(2048, ge=1)
-    # Prompts longer than this (characters) are counted in a worker thread, so
-    # tokenizing a huge prompt cannot stall the event loop.
+    # Requests whose body is larger than this (bytes) are token-counted in a worker
+    # thread, and answer texts longer than this (characters) too, so tokenizing a
+    # huge prompt or answer cannot stall the event loop.
     tokenize_inline_chars: int = option(16384, ge=0)
     # Model names that mean "let the scheduler choose among all instances".
     aliases: tuple[str, ...] = ("auto",)

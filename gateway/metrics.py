@@ -25,6 +25,8 @@ class GatewayMetrics:
                                ("instance",), registry=r)
         self.cost = Counter("routebalance_cost_usd", "Realised cost of served requests, USD", ("model",), registry=r)
         self.tokens = Counter("routebalance_tokens", "Tokens served, by model and kind", ("model", "kind"), registry=r)
+        self.key_spend = Counter("routebalance_key_spend_usd", "Spend booked per API key, USD (every attempt)",
+                                 ("key",), registry=r)
         self.rejected = Counter("routebalance_rejected", "Requests refused before dispatch, by reason",
                                 ("reason",), registry=r)
         self.budget_stops = Counter("routebalance_budget_exhausted", "Streams stopped because the budget ran out",

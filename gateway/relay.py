@@ -19,8 +19,9 @@ instance that does not honour it and against an undercounted prompt.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import aiohttp
 import orjson
@@ -41,15 +42,25 @@ CLIENT_CLOSED = 499  # status recorded for a stream whose client left before the
 COUNTED = "counted"  # usage.cost_source of an answer the gateway costed by counting tokens itself
 
 
-class UpstreamFailed(Exception):
-    """The instance failed before any byte reached the client."""
+Spent = Literal["nothing", "prompt", "all"]
 
-    def __init__(self, status: int, message: str, *, retry: bool = True, unreachable: bool = False):
+
+class UpstreamFailed(Exception):
+    """The instance failed before any byte reached the client.
+
+    `retry`: worth trying another instance (not for an answer that would take as long
+    or be as large anywhere). `blame`: the instance's health hears of it (not when it
+    was only busy, or the request asked for too much). `unreachable`: the connection
+    was refused, so it cools down at once. `spent`: what the attempt may have cost:
+    nothing (it never arrived), its prompt (it was read, then the instance failed), or
+    all it was allowed (it ran long or generated an answer that was lost)."""
+
+    def __init__(self, status: int, message: str, *, retry: bool = True, blame: bool = True,
+                 unreachable: bool = False, spent: Spent = "prompt", no_connection: bool = False):
         super().__init__(message)
         self.status = status  # what the client gets if no retry succeeds: 502 or 504
-        self.retry = retry  # worth trying another instance (false for an answer that would fail anywhere,
-        # which is then not held against this instance's health either)
-        self.unreachable = unreachable  # the request never reached the instance: nothing to pay for
+        self.retry, self.blame, self.unreachable, self.spent = retry, blame, unreachable, spent
+        self.no_connection = no_connection  # no connection in time: its pool was full (busy), or it is unreachable
 
 
 class AnswerTooLarge(Exception):
@@ -167,23 +178,33 @@ def asks_continuous_usage(req: CompletionRequest) -> bool:
 
 
 async def open_upstream(session: aiohttp.ClientSession, instance, path: str, payload: bytes,
-                        timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+                        timeout: aiohttp.ClientTimeout, stream: bool = False) -> aiohttp.ClientResponse:
     """POST to the instance. Raises UpstreamFailed on connect errors, timeouts, 5xx answers and a
-    404 (the instance does not serve the model it is configured with, or is not an OpenAI server)."""
+    404 (the instance does not serve the model it is configured with, or is not an OpenAI server).
+    A non-streamed answer sends its head only when it is complete, so its timeout may be a long
+    answer rather than a sick instance: that is not retried and not held against the instance."""
     headers = UPSTREAM_HEADERS
     if instance.api_key:
         headers = {**UPSTREAM_HEADERS, "Authorization": f"Bearer {instance.api_key}"}
     try:
         resp = await session.post(instance.url + path, data=payload, timeout=timeout, headers=headers)
-    except aiohttp.ConnectionTimeoutError:  # no connection in time: none free for it, or none made
-        raise UpstreamFailed(502, f"instance {instance.name} is unreachable: connect timeout",
-                             unreachable=True) from None
+    except aiohttp.ConnectionTimeoutError:  # no connection in time: none free in its pool (busy), or none made
+        raise UpstreamFailed(502, f"instance {instance.name} gave no connection in time", blame=False,
+                             spent="nothing", no_connection=True) from None
     except TimeoutError:
-        raise UpstreamFailed(504, f"instance {instance.name} did not answer in time") from None
-    except aiohttp.ClientConnectionError as e:  # refused, reset, disconnected: the transport failed
+        if stream:  # not even its first event: it stalls
+            raise UpstreamFailed(504, f"instance {instance.name} did not answer in time") from None
+        raise UpstreamFailed(504, f"instance {instance.name} did not finish the answer in time", retry=False,
+                             blame=False, spent="all") from None
+    except aiohttp.ClientConnectorError as e:  # refused: it is down
         raise UpstreamFailed(502, f"instance {instance.name} is unreachable: {e.__class__.__name__}",
-                             unreachable=isinstance(e, aiohttp.ClientConnectorError)) from None
-    except aiohttp.ClientError as e:
+                             unreachable=True, spent="nothing") from None
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+        # The connection died under the request (a kept-alive one to a server that went away):
+        # down as if refused, but it may have read the prompt.
+        raise UpstreamFailed(502, f"instance {instance.name} dropped the connection: {e.__class__.__name__}",
+                             unreachable=True) from None
+    except aiohttp.ClientError as e:  # reset, disconnected: it failed with the request
         raise UpstreamFailed(502, f"instance {instance.name} failed: {e.__class__.__name__}") from None
     if resp.status >= 500 or resp.status == 404:
         resp.close()
@@ -230,21 +251,22 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
     try:
         raw = await _read_capped(upstream, costing.max_answer_bytes)  # a complete read frees the connection
     except TimeoutError:
-        raise UpstreamFailed(504, f"instance {instance.name} stalled") from None
+        raise UpstreamFailed(504, f"instance {instance.name} stalled", spent="all") from None
     except aiohttp.ClientError as e:
-        raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}") from None
+        raise UpstreamFailed(502, f"instance {instance.name} broke off: {e.__class__.__name__}", spent="all") from None
     except AnswerTooLarge as e:  # it would be as large anywhere else
         raise UpstreamFailed(502, f"instance {instance.name} sent an answer past the size cap ({e})",
-                             retry=False) from None
+                             retry=False, blame=False, spent="all") from None
     finally:
         if not upstream.content.is_eof():
             upstream.close()  # cancelled or failed mid-body: drop the connection so the instance aborts
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise UpstreamFailed(502, f"instance {instance.name} sent invalid JSON") from None
+        raise UpstreamFailed(502, f"instance {instance.name} sent invalid JSON", spent="all") from None
     if not isinstance(data, dict):
-        raise UpstreamFailed(502, f"instance {instance.name} sent a JSON {type(data).__name__}, not an object")
+        raise UpstreamFailed(502, f"instance {instance.name} sent a JSON {type(data).__name__}, not an object",
+                             spent="all")
     headers = route_headers(instance)
     usage = data.get("usage")
     if isinstance(usage, dict):
@@ -268,17 +290,20 @@ def _event_json(event: bytes) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _ends_answer(block: bytes) -> bool:
-    """The block ends the answer: [DONE], or a choice's finish_reason (a server may send no [DONE])."""
-    return b"[DONE]" in block or b'"finish_reason":"' in block or b'"finish_reason": "' in block
+def _ends_answer(block: bytes, n: int) -> bool:
+    """The block ends the answer: [DONE], or (for one answer) its finish_reason (a server may send no
+    [DONE]); with several answers only [DONE] says that all of them ended."""
+    if b"[DONE]" in block:
+        return True
+    return n == 1 and (b'"finish_reason":"' in block or b'"finish_reason": "' in block)
 
 
 class _Framer:
     """What the framers share: costing by counting while the instance has sent no usage,
     holding [DONE] back until then, and knowing whether the answer reached its end."""
 
-    def __init__(self, costing: Costing, include_usage: bool, result: RelayResult):
-        self.costing, self.include_usage, self.result = costing, include_usage, result
+    def __init__(self, costing: Costing, include_usage: bool, result: RelayResult, n: int = 1):
+        self.costing, self.include_usage, self.result, self.n = costing, include_usage, result, n
         self.usage_seen = False  # the instance reported usage: it is the truth
         self.held_done = False  # [DONE] withheld until the counted usage has gone out
         self.ended = False
@@ -293,34 +318,59 @@ class _Framer:
     def _usage_chunk(self, usage: dict) -> bytes:
         return json_event({**self.head, "choices": [], "usage": usage}) if self.include_usage else b""
 
-    async def _counted(self, texts: list[str]) -> bytes:
+    def _texts(self) -> list[str]:
+        raise NotImplementedError
+
+    async def count_delivered(self) -> None:
+        """The stream ended early (cut, failed, the client left): without usage from the instance,
+        cost what was delivered by counting it."""
+        if not self.usage_seen:
+            self.result.usage = await count_usage(self._texts(), self.costing, self.result)
+
+    async def finish(self) -> bytes:
         """After the last block: cost by counting if the instance sent no usage; the usage chunk if asked, and
         the held [DONE]."""
         if self.usage_seen:
             return b""
-        usage = await count_usage(texts, self.costing, self.result)
-        self.result.usage = usage
-        return self._usage_chunk(usage) + (DONE if self.held_done else b"")
+        await self.count_delivered()
+        return self._usage_chunk(self.result.usage) + (DONE if self.held_done else b"")
 
 
 class _PassThrough(_Framer):
     """Bytes through untouched; the events that carry usage are costed (and dropped if not asked for)."""
 
-    def __init__(self, costing: Costing, include_usage: bool, result: RelayResult):
-        super().__init__(costing, include_usage, result)
-        self.kept: list[bytes] = []  # the stream so far, while no usage has come: counted at the end
+    def __init__(self, costing: Costing, include_usage: bool, result: RelayResult, n: int = 1):
+        super().__init__(costing, include_usage, result, n)
+        # The stream so far, while no usage has come, to count at the end: its bytes (vLLM sends
+        # usage last, and parsing every event would slow every stream), or past the size cap
+        # its answer text alone, which is far smaller.
+        self.kept: list[bytes] = []
         self.kept_bytes = 0
+        self.compact: list[str] | None = None
+        self.compact_chars = 0
 
     def pass_block(self, block: bytes) -> tuple[bytes, bool]:
         if b'"usage"' in block:
             block = self._rewrite_usage_events(block)
         if not self.usage_seen:
+            self._keep(block)
+        self.ended = self.ended or _ends_answer(block, self.n)
+        return self._hold_done(block), False
+
+    def _keep(self, block: bytes) -> None:
+        cap = self.costing.max_answer_bytes
+        if self.compact is None:
             self.kept.append(block)
             self.kept_bytes += len(block)
-            if self.kept_bytes > self.costing.max_answer_bytes:
-                raise AnswerTooLarge(f"more than {self.costing.max_answer_bytes} bytes without usage")
-        self.ended = self.ended or _ends_answer(block)
-        return self._hold_done(block), False
+            if self.kept_bytes > cap:
+                self.compact, self.kept = self._texts(), []
+                self.compact_chars = sum(map(len, self.compact))
+            return
+        texts = _block_texts(block, self.head)
+        self.compact += texts
+        self.compact_chars += sum(map(len, texts))
+        if self.compact_chars > cap:
+            raise AnswerTooLarge(f"more than {cap} characters of answer without usage")
 
     def _rewrite_usage_events(self, block: bytes) -> bytes:
         """Cost the events that carry usage; keep them (with cost_usd) only if the client asked."""
@@ -344,18 +394,23 @@ class _PassThrough(_Framer):
             out.append(event + EVENT_END)
         return b"".join(out)
 
-    async def finish(self) -> bytes:
-        if self.usage_seen:
-            return b""
-        texts = []
+    def _texts(self) -> list[str]:
+        texts = list(self.compact or ())
         for block in self.kept:
-            for event in block.split(EVENT_END):
-                data = _event_json(event)
-                if data is not None:
-                    self.head = self.head or {k: data[k] for k in ("id", "object", "created", "model") if k in data}
-                    texts += _answer_texts(data)
-        self.kept = []
-        return await self._counted(texts)
+            texts += _block_texts(block, self.head)
+        return texts
+
+
+def _block_texts(block: bytes, head: dict) -> list[str]:
+    """The answer text of a block's events; fills `head` (id, object, created, model) from the first."""
+    texts = []
+    for event in block.split(EVENT_END):
+        data = _event_json(event)
+        if data is not None:
+            if not head:
+                head.update({k: data[k] for k in ("id", "object", "created", "model") if k in data})
+            texts += _answer_texts(data)
+    return texts
 
 
 def _has_output(choice) -> bool:
@@ -375,16 +430,19 @@ def _index(choice) -> int:
 class _BudgetMeter(_Framer):
     """Meters a budgeted stream event by event, from the running usage each chunk
     carries; a chunk without usage is counted by the tokenizer (at least one token
-    per choice that has output). The counts it holds are those delivered to the client."""
+    per choice that has output). The counts it holds are those delivered to the client.
+    With several answers (n > 1) a chunk's running usage is its own choice's (as vLLM
+    reports it), not the request's: those are counted, too."""
 
     def __init__(self, budget_usd: float, costing: Costing, include_usage: bool, continuous_usage: bool,
-                 result: RelayResult):
-        super().__init__(costing, include_usage, result)
+                 result: RelayResult, n: int = 1):
+        super().__init__(costing, include_usage, result, n)
         self.budget_usd = budget_usd
         self.continuous_usage = continuous_usage  # the client asked for running usage itself
         self.prompt, self.completion = costing.prompt_tokens, 0
         self.open: set[int] = set()  # choices begun and not yet finished
         self.texts: list[str] = []  # the text delivered, for a count if the instance never reports usage
+        self.text_bytes = 0
 
     def pass_block(self, block: bytes) -> tuple[bytes, bool]:
         """The events to send, and whether the budget stops the stream after them."""
@@ -407,6 +465,8 @@ class _BudgetMeter(_Framer):
                 out.append(event + EVENT_END)  # [DONE], error objects, comments: as they came
                 continue
             self.head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
+            if self.n > 1:
+                usage = None
             if usage is not None:
                 self.usage_seen = True
                 prompt, completion = _count(usage, "prompt_tokens") or self.prompt, _count(usage, "completion_tokens")
@@ -420,11 +480,17 @@ class _BudgetMeter(_Framer):
                 self._settle()
                 return b"".join(out), True
             self.completion = completion
-            self.texts += _answer_texts(data)
+            delivered = _answer_texts(data)
+            self.texts += delivered
+            self.text_bytes += sum(map(len, delivered))
+            if self.text_bytes > self.costing.max_answer_bytes:
+                raise AnswerTooLarge(f"more than {self.costing.max_answer_bytes} bytes")
+            finished_one = False
             for c in choices:
                 finished = isinstance(c, dict) and c.get("finish_reason")
-                self.ended = self.ended or bool(finished)
+                finished_one = finished_one or bool(finished)
                 (self.open.discard if finished else self.open.add)(_index(c))
+            self.ended = self.ended or (finished_one and not self.open)
             self._settle()
             if usage is not None:
                 if self.continuous_usage:
@@ -440,8 +506,8 @@ class _BudgetMeter(_Framer):
         self.result.prompt_tokens, self.result.completion_tokens = self.prompt, self.completion
         self.result.cost_usd = self.costing.cost(self.prompt, self.completion)
 
-    async def finish(self) -> bytes:
-        return await self._counted(self.texts)
+    def _texts(self) -> list[str]:
+        return self.texts
 
     async def closing(self) -> bytes:
         """What the client gets instead of the chunk that would overspend: every open
@@ -491,26 +557,36 @@ class _EventReader:
 async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, instance,
                        include_usage: bool, result: RelayResult, costing: Costing, budget_usd: float | None = None,
                        continuous_usage: bool = False, headers: Mapping[str, str] | None = None,
-                       on_progress: Callable[[int], None] | None = None) -> web.StreamResponse:
+                       on_progress: Callable[[int], None] | None = None, n: int = 1,
+                       write_timeout_s: float | None = None) -> web.StreamResponse:
     """Pass SSE events through. Nothing is sent to the client until the first event
     has arrived, so an instance that fails before it can still be retried elsewhere.
-    A client that goes away closes the upstream connection, which makes vLLM abort;
-    so does a budget that the next chunk would exceed (upstream_payload must have
-    asked for continuous usage). An upstream that breaks off, or ends before its
-    answer did, ends the client's stream with an error event, never a clean end.
-    `continuous_usage`: the client asked for running usage itself, so a budgeted
-    stream keeps it in the chunks. `headers` go on the response with the route
-    headers (they must be known before the first byte). `on_progress(tokens)` hears
-    the answer tokens streamed so far after each write: exact for a budgeted stream,
-    else counted as one per event (an instance may pack several tokens into one,
-    and role, usage and [DONE] events count too)."""
+    A client that goes away, or does not take a write within `write_timeout_s`,
+    closes the upstream connection, which makes vLLM abort; so does a budget that
+    the next chunk would exceed (upstream_payload must have asked for continuous
+    usage). An upstream that breaks off, or ends before its answer did, ends the
+    client's stream with an error event, never a clean end; what was delivered is
+    paid for. `continuous_usage`: the client asked for running usage itself, so a
+    budgeted stream keeps it in the chunks. `headers` go on the response with the
+    route headers (they must be known before the first byte). `n`: the answers the
+    request generates. `on_progress(tokens)` hears the answer tokens streamed so far
+    after each write: exact for a budgeted stream, else counted as one per event (an
+    instance may pack several tokens into one, and role, usage and [DONE] events
+    count too)."""
     loop = asyncio.get_running_loop()
     events = _EventReader(upstream)
     meter = None
     if budget_usd is None:
-        framer: _PassThrough | _BudgetMeter = _PassThrough(costing, include_usage, result)
+        framer: _PassThrough | _BudgetMeter = _PassThrough(costing, include_usage, result, n)
     else:
-        framer = meter = _BudgetMeter(budget_usd, costing, include_usage, continuous_usage, result)
+        framer = meter = _BudgetMeter(budget_usd, costing, include_usage, continuous_usage, result, n)
+
+    async def write(data: bytes) -> None:
+        try:
+            async with asyncio.timeout(write_timeout_s):
+                await resp.write(data)
+        except TimeoutError:
+            raise ConnectionResetError("the client took no data in time") from None
 
     try:
         try:
@@ -531,43 +607,45 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
                 try:
                     out, stop = framer.pass_block(block)
                 except AnswerTooLarge as e:
-                    await _fail(resp, result, 502, f"instance {instance.name} sent an answer past the size cap ({e})",
+                    await _fail(write, result, 502, f"instance {instance.name} sent an answer past the size cap ({e})",
                                 instance_failed=False)
                     break
                 if out:
-                    await resp.write(out)
+                    await write(out)
                 if on_progress is not None:
                     streamed = result.completion_tokens if meter else streamed + block.count(b"data:")
                     on_progress(streamed)
                 if stop and meter is not None:
                     upstream.close()  # before telling the client: the instance stops generating now
-                    await resp.write(await meter.closing())
+                    await write(await meter.closing())
                     break
                 try:
                     block = await events.next_block()
                 except (TimeoutError, aiohttp.ClientError) as e:
                     # After the first byte there is no retry: end the stream with an error event.
-                    await _fail(resp, result, 504 if isinstance(e, TimeoutError) else 502,
+                    await _fail(write, result, 504 if isinstance(e, TimeoutError) else 502,
                                 f"instance {instance.name} broke off the stream: {e.__class__.__name__}")
                     break
             else:
                 if framer.ended:
-                    await resp.write(await framer.finish())
+                    await write(await framer.finish())
                 else:
-                    await _fail(resp, result, 502, f"instance {instance.name} ended the stream before its answer did")
+                    await _fail(write, result, 502, f"instance {instance.name} ended the stream before its answer did")
             await resp.write_eof()
         except ConnectionResetError:
             # The client left. After the answer's end that is normal (SDKs hang up at once
             # after [DONE]); before it, closing upstream (below) makes vLLM abort.
             if not result.failed_status and not framer.ended:
                 result.failed_status = CLIENT_CLOSED
+        if result.failed_status and not result.budget_exhausted:
+            await framer.count_delivered()
         return resp
     finally:
         upstream.close()
 
 
-async def _fail(resp: web.StreamResponse, result: RelayResult, status: int, message: str,
+async def _fail(write: Callable[[bytes], Awaitable[None]], result: RelayResult, status: int, message: str,
                 instance_failed: bool = True) -> None:
     failure = ApiError(status, message)
     result.failed_status, result.instance_failed = failure.status, instance_failed
-    await resp.write(json_event(failure.body()))
+    await write(json_event(failure.body()))

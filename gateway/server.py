@@ -173,8 +173,11 @@ class Gateway:
     def _on_config(self, cfg: Config) -> None:
         log.info("config reloaded: %d instances, policy %s, %d keys", len(cfg.instances), cfg.scheduler.policy,
                  len(cfg.auth.keys))
+        try:
+            self._open_spend(cfg)
+        except SpendStoreError as e:  # keyed requests are refused (503) until a reload opens it
+            log.error("cannot open the spend ledger: %s", e)
         self.access.reconfigure(cfg)
-        self._open_spend(cfg)
         if not cfg.auth.keys and not anonymous_allowed(cfg.auth, self.host):
             log.warning("the config has no API keys and the gateway listens on %s: every request is refused "
                         "(401) until keys are added or [auth] allow_anonymous is set", self.host)
@@ -208,11 +211,14 @@ class Gateway:
                                    policies=registry.names())
             self.access.permit(key, req, loop.time())
             candidates = candidates_for(cfg, req.model)
+            if key is not None and self.spend is None:  # keys without their ledger: fail closed
+                raise ApiError(503, "the spend ledger is unavailable; requests of keys are refused until it is back",
+                               None, "ledger_unavailable")
             spend = RequestSpend(req.routing.budget_usd, key, self.spend, time.time)
             budget = spend.budget_left()
             if spend.key is not None and spend.limited_by_key() and budget is not None and budget <= 0:
                 raise spend.refusal()
-            input_tokens = await self._count_prompt(req, cfg)
+            input_tokens = await self._count_prompt(req, cfg, len(raw))
             routed = RouteRequest(
                 candidates=candidates,
                 prompt_text=req.prompt_text,
@@ -238,6 +244,8 @@ class Gateway:
             finally:
                 ok = resp is not None and resp.status < 400 and not attempt.result.failed_status
                 self.scheduler.complete(ticket, Completion(ok, attempt.index, attempt.result.completion_tokens))
+                if spend.key is not None and spend.paid_usd:
+                    self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
@@ -261,15 +269,14 @@ class Gateway:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
 
-    async def _count_prompt(self, req: CompletionRequest, cfg: Config) -> int:
-        """Prompt tokens as the instance will count them (function signatures included); a long
-        prompt is counted in a worker thread so the event loop keeps serving."""
+    async def _count_prompt(self, req: CompletionRequest, cfg: Config, body_bytes: int) -> int:
+        """Prompt tokens as the instance will count them (function signatures included); a large
+        request (judged by its body) is counted in a worker thread so the event loop keeps serving."""
         if req.chat:
             count, args = self.token_counter.count_chat, (req.body["messages"], req.tools)
         else:
             count, args = self.token_counter.count, (req.prompt_text,)
-        if len(req.prompt_text) + sum(len(str(t)) for t in req.tools) <= cfg.server.tokenize_inline_chars \
-                and len(req.body.get("messages") or ()) <= 64:
+        if body_bytes <= cfg.server.tokenize_inline_chars:
             return count(*args)
         return await asyncio.get_running_loop().run_in_executor(None, count, *args)
 
@@ -289,23 +296,18 @@ class Gateway:
         routed, decision = ticket.request, ticket.decision
         failure: UpstreamFailed | None = None
         attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
-        started = False
-
-        def on_progress(tokens: int) -> None:
-            nonlocal started
-            if not started:
-                started = True
-                core.first_token(ticket, loop.time())
-            core.progress(ticket, tokens)
-
-        for plan in core.plans(ticket, loop.time, spend.budget_left):
+        for i in decision.ranked:
             if failed > up.retries:
                 break
-            instance = cfg.instances[plan.instance]
             budget = spend.budget_left()
+            plan = core.plan(ticket, i, loop.time(), budget)
+            if plan is None:
+                continue
+            instance = cfg.instances[plan.instance]
             costing = Costing.for_instance(instance, routed.input_tokens, self.token_counter.count,
                                            up.max_response_bytes, cfg.server.tokenize_inline_chars)
-            spend.reserve(worst_case_usd(instance, routed.input_tokens, plan.max_tokens, routed.n))
+            worst = worst_case_usd(instance, routed.input_tokens, plan.max_tokens, routed.n, req.has_media)
+            spend.reserve(worst)
             if plan.clamped:
                 self.metrics.budget_clamps.inc()
             core.dispatched(ticket, plan, loop.time())
@@ -314,10 +316,20 @@ class Gateway:
             attempts += 1
             attempt.instance, attempt.index = instance.name, plan.instance
             result = attempt.result = RelayResult()
+            answered = False  # the instance has sent (part of) an answer: it is healthy
+
+            def on_progress(tokens: int, plan=plan) -> None:
+                nonlocal answered
+                if not answered:
+                    answered = True
+                    core.attempt_succeeded(ticket, plan)
+                    core.first_token(ticket, loop.time())
+                core.progress(ticket, tokens)
+
             cost: float | None = None
             try:
                 payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None)
-                upstream = await open_upstream(self.session, instance, ROUTES[route], payload, timeout)
+                upstream = await open_upstream(self.session, instance, ROUTES[route], payload, timeout, req.stream)
                 if upstream.status >= 400:  # the instance is well; the request is not
                     core.attempt_succeeded(ticket, plan)
                     cost = 0.0
@@ -326,32 +338,32 @@ class Gateway:
                 if req.stream:
                     resp = await relay_stream(request, upstream, instance, req.include_usage, result, costing,
                                               budget_usd=budget, continuous_usage=asks_continuous_usage(req),
-                                              headers=headers, on_progress=on_progress)
+                                              headers=headers, on_progress=on_progress, n=routed.n,
+                                              write_timeout_s=cfg.server.write_timeout_s)
                 else:
                     resp = await relay_full(upstream, instance, result, costing)
                     on_progress(result.completion_tokens)
                     resp.headers.update(headers)
                 if result.instance_failed:  # it broke off after the first byte
                     core.attempt_failed(ticket, plan, loop.time())
-                else:
-                    core.attempt_succeeded(ticket, plan)
                 cost = result.cost_usd
                 return resp
             except UpstreamFailed as e:
                 failure = e
                 log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
-                if e.retry:  # an answer too large would be as large anywhere: not the instance's failure
+                # No connection in time while the gateway does not fill its pool: it does not answer connects.
+                busy = len(self.ledger.of(instance.name).in_flight) > up.max_connections_per_instance
+                if e.blame or (e.no_connection and not busy):
                     core.attempt_failed(ticket, plan, loop.time(), e.unreachable)
-                cost = 0.0 if e.unreachable else costing.cost(routed.input_tokens, 0)  # it read the prompt
+                cost = {"nothing": 0.0, "prompt": costing.cost(routed.input_tokens, 0), "all": worst}[e.spent]
                 if e.unreachable:  # the request never reached it: trying the next costs no retry
                     continue
                 failed += 1
                 if not e.retry:
                     break
             finally:
-                # Unknown (a client that left mid-answer, a stream cut before its usage): the prompt and
-                # what streamed, as the gateway counted it.
-                spend.pay(cost if cost is not None else costing.cost(routed.input_tokens, result.completion_tokens))
+                # Unknown (the client left before a non-streamed answer came): all the attempt was allowed.
+                spend.pay(cost if cost is not None else worst)
         if failure is not None:
             raise ApiError(failure.status, str(failure))
         if any(core.ledger.routable(cfg.instances[i].name, loop.time()) for i in decision.ranked):

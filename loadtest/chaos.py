@@ -725,7 +725,7 @@ class Tally:
         return rows
 
 
-def format_table(rows, total_label: str | None = None) -> str:
+def format_table(rows) -> str:
     head = f"{'traffic':<26} {'sent':>6} {'succeeded':>10} {'failed properly':>16} {'lost':>6}  statuses"
     lines = [head, "-" * len(head)]
     for kind, sent, ok, failed, lost, statuses in rows:
@@ -733,13 +733,17 @@ def format_table(rows, total_label: str | None = None) -> str:
     return "\n".join(lines)
 
 
-async def spawn(tasks: set, sem: asyncio.Semaphore, coro_fn, tally: Tally) -> None:
-    """Run coro_fn() under the semaphore (acquired here, so arrivals wait when the client is saturated)."""
+async def spawn(tasks: set, sem: asyncio.Semaphore, kind: str, coro_fn, tally: Tally) -> None:
+    """Run coro_fn() under the semaphore (acquired here, so arrivals wait when the client is saturated).
+    A request still running when the run is torn down counts as lost (a hang)."""
     await sem.acquire()
 
     async def run():
         try:
             tally.add(await coro_fn())
+        except asyncio.CancelledError:
+            tally.add(Outcome(kind, LOST, "cancelled", "hang: still running when the run ended"))
+            raise
         finally:
             sem.release()
 
@@ -761,7 +765,7 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
     limits = httpx.Limits(max_connections=args.concurrency + 16, max_keepalive_connections=64)
     max_body = int(stack.data["server"].get("max_body_bytes", 1 << 20))
 
-    async with (httpx.AsyncClient(base_url=stack.root + "", timeout=args.timeout, limits=limits,
+    async with (httpx.AsyncClient(base_url=stack.root, timeout=args.timeout, limits=limits,
                                   trust_env=False) as good_client,
                 httpx.AsyncClient(base_url=stack.root, timeout=args.timeout, trust_env=False) as bad_client):
         bad = BadTraffic(bad_client, prompts, max_body, args.timeout, t0, rng)
@@ -775,7 +779,7 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
                 if loop.time() >= end:
                     return
                 kind, model, prompt = GOOD_KINDS[k % 4], rng.choice(models), prompts[k % len(prompts)]
-                await spawn(tasks, sem, lambda kind=kind, model=model, prompt=prompt:  # noqa: B023
+                await spawn(tasks, sem, kind, lambda kind=kind, model=model, prompt=prompt:  # noqa: B023
                             good_request(good_client, kind, model, prompt, args.timeout, t0), tally)
 
         async def bad_traffic() -> None:
@@ -786,7 +790,7 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
                 if loop.time() >= end:
                     return
                 kind = kinds[k % len(kinds)]
-                await spawn(tasks, sem, lambda kind=kind: bad.kinds[kind](kind), tally)  # noqa: B023
+                await spawn(tasks, sem, kind, lambda kind=kind: bad.kinds[kind](kind), tally)  # noqa: B023
 
         async def probe() -> None:
             async with httpx.AsyncClient(base_url=stack.root, timeout=2.0, trust_env=False) as client:
@@ -811,10 +815,12 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
                 await asyncio.wait(set(tasks), timeout=args.timeout + 10)
             for task in list(tasks):
                 task.cancel()
+            if tasks:
+                await asyncio.wait(set(tasks), timeout=5)
         finally:
             for task in (*drivers, injector):
                 task.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await injector  # its finally restores every instance
 
         # After the run: every instance restored; each model and `auto` must answer again.
@@ -894,7 +900,8 @@ def main() -> int:
     cut_all = [o for o in tally.outcomes if o.result == FAILED and faults.killed_during(
         o.instance or failed_instance(o.reason), o.at_s, o.at_s + o.elapsed_s)]
     cut = [o for o in cut_all if o.kind in good_kinds]
-    print(f"\ngood traffic: {len(good)} sent, {n_ok} succeeded ({rate:.2%}), "
+    print(f"\ngood traffic: {len(good)} sent ({len(good) / args.duration:.1f} req/s of the {args.rate:g} asked), "
+          f"{n_ok} succeeded ({rate:.2%}), "
           f"{sum(o.result == FAILED for o in good)} failed properly, {sum(o.result == LOST for o in good)} lost")
     adjusted = n_ok / (len(good) - len(cut)) if len(good) > len(cut) else 0.0
     if cut:
@@ -931,7 +938,7 @@ def main() -> int:
                       f"{'  instance ' + o.instance if o.instance else ''}"
                       f"{'  body: ' + o.excerpt[:160].replace(chr(10), ' ') if o.excerpt else ''}")
     failed = bool(lost) or adjusted < args.min_success
-    keep = keep or failed
+    keep = keep or failed or tracebacks > 0
     if keep:
         print(f"\nkept {workdir} (config.toml, stack.log)")
     else:
@@ -944,4 +951,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; the stack was stopped", file=sys.stderr)
+        sys.exit(130)

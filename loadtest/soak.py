@@ -86,7 +86,7 @@ async def soak(args, stack: Stack, prompts: list[str]) -> tuple[Tally, list[dict
                 if loop.time() >= end:
                     return
                 kind, prompt = KINDS[k % 2], prompts[k % len(prompts)]
-                await spawn(tasks, sem, lambda kind=kind, prompt=prompt:  # noqa: B023
+                await spawn(tasks, sem, kind, lambda kind=kind, prompt=prompt:  # noqa: B023
                             good_request(client, kind, "auto", prompt, args.timeout, t0), tally)
 
         async def sampler() -> None:
@@ -105,6 +105,8 @@ async def soak(args, stack: Stack, prompts: list[str]) -> tuple[Tally, list[dict
                 await asyncio.wait(set(tasks), timeout=args.timeout + 10)
             for task in list(tasks):
                 task.cancel()
+            if tasks:
+                await asyncio.wait(set(tasks), timeout=5)
         finally:
             driver.cancel()
             watcher.cancel()
@@ -204,7 +206,7 @@ def main() -> int:
                   f"{'  instance ' + o.instance if o.instance else ''}"
                   f"{'  body: ' + o.excerpt[:160].replace(chr(10), ' ') if o.excerpt else ''}")
     failed = growth > args.max_growth or n_lost > 0
-    if failed or args.keep:
+    if failed or args.keep or tracebacks:
         print(f"\nkept {workdir} (config.toml, stack.log)")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -214,4 +216,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; the stack was stopped", file=sys.stderr)
+        sys.exit(130)

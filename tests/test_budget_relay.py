@@ -20,8 +20,10 @@ from gateway.api.parse import CompletionRequest, RoutingOptions
 from gateway.config import default_config_path, load_config
 from gateway.emulator.server import EmulatedPool
 from gateway.relay import (
+    AnswerTooLarge,
     Costing,
     RelayResult,
+    _PassThrough,
     asks_continuous_usage,
     open_upstream,
     relay_stream,
@@ -329,3 +331,21 @@ async def test_emulator_sends_running_usage_when_asked():
             assert all("usage" not in e for e in plain if e["choices"]) and plain[-1]["usage"]["completion_tokens"] == 6
     finally:
         await pool.stop()
+
+
+async def test_a_long_stream_without_usage_is_kept_as_text_past_the_cap():
+    """While no usage has come a stream is kept to be counted: as bytes, and past the answer
+    cap as its text alone; the count at the end covers all of it."""
+    costing = Costing(1e-7, 2e-7, prompt_tokens=5, count=lambda text: len(text.split()), max_answer_bytes=2000)
+    result = RelayResult()
+    framer = _PassThrough(costing, include_usage=True, result=result)
+    word = sse(chunk([{"index": 0, "delta": {"content": " word"}, "finish_reason": None}]))
+    for _ in range(100):  # ~15 kB of events, 500 characters of answer
+        assert framer.pass_block(word) == (word, False)
+    assert framer.compact is not None and framer.kept == []
+    tail = await framer.finish()
+    assert result.cost_source == "counted" and (result.prompt_tokens, result.completion_tokens) == (5, 100)
+    assert b'"cost_source":"counted"' in tail
+    with pytest.raises(AnswerTooLarge):  # the text itself past the cap
+        for _ in range(400):
+            framer.pass_block(word)

@@ -10,6 +10,7 @@ connections, and a stream cut by its instance ended as a normal 200.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import select
 import socket
@@ -26,6 +27,7 @@ from stubs import TOKEN, Stub, StubStack, stub_config, stub_instance
 
 from conftest import wait_for
 from gateway.scheduling.ledger import Health
+from gateway.trust.keys import hash_key
 
 HI = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "auto", "messages": HI, "max_tokens": 4}
@@ -540,3 +542,40 @@ def test_long_prompt_is_counted_off_the_loop_thread(bounds, stub, monkeypatch):
     assert threads[len(big)] is not stack.thread  # the long one: in a worker thread
     assert stack.gateway.store.current.server.tokenize_inline_chars < len(big)
 
+
+
+# ---- what must not cool a healthy instance down (found in review) ---------------------
+
+def test_a_busy_instance_fails_over_without_being_cooled_down(tmp_path):
+    stubs = [Stub(mode={"delay_s": 1.0}), Stub(mode={"delay_s": 1.0})]
+    with running(tmp_path, stubs, upstream={"max_connections_per_instance": 1, "acquire_timeout_s": 0.2,
+                                            "connect_timeout_s": 0.2}) as stack:
+        with httpx.Client(timeout=TIMEOUT) as http, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: http.post(stack.base_url + "/chat/completions", json=CHAT), range(4)))
+        assert sorted(r.status_code for r in answers)[:2] == [200, 200]  # one request on each instance at once
+        assert all(r.status_code in (200, 502) for r in answers)
+        body = ready(stack).json()
+        assert body["routable"] == 2 and body["cooling_down"] == []  # busy is not failing
+
+
+def test_a_long_non_streamed_answer_times_out_without_a_retry_or_a_cooldown(tmp_path):
+    stubs = [Stub(mode={"delay_s": 2.0}), Stub(mode={"delay_s": 2.0})]
+    with running(tmp_path, stubs, upstream={"response_timeout_s": 0.5}, health={"failure_threshold": 1}) as stack:
+        r = httpx.post(stack.base_url + "/chat/completions", json=CHAT, timeout=TIMEOUT)
+        assert_openai_error(r, 504)
+        assert len(stubs[0].requests) + len(stubs[1].requests) == 1  # as long anywhere else: not retried
+        assert ready(stack).json()["cooling_down"] == []
+
+
+def test_an_undecodable_authorization_header_is_a_401_not_a_500(tmp_path):
+    stubs = [Stub()]
+    keys = {"keys": [{"name": "a", "sha256": hash_key("rb-k")}]}
+    with running(tmp_path, stubs, auth=keys, state={"backend": "memory"}) as stack:
+        host, port = stack.root.split("//")[1].split(":")
+        body = orjson.dumps(CHAT)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\n\r\n" + body)
+            status, _ = _read_response(sock)
+        assert status == 401

@@ -112,6 +112,23 @@ def test_admin_token_metrics_port_and_upstream_keys(tmp_path, stubs):
 
 # ---- spend ---------------------------------------------------------------------------
 
+def test_keys_whose_ledger_cannot_open_are_refused_not_served_free(tmp_path, stubs):
+    path = stub_config(tmp_path, stubs)
+    stack = StubStack(path, stubs)
+    try:  # a reload adds a limited key, but the state file cannot be made (its directory is a file)
+        (tmp_path / "blocker").write_text("")
+        text = path.read_text() + (f'\n[state]\npath = "{tmp_path}/blocker/state.db"\n'
+                                   f'[[auth.keys]]\nname = "a"\nsha256 = "{hash_key(KEY)}"\nspend_limit_usd = 1e-6\n')
+        path.write_text(text)
+        assert stack.run(lambda: stack.gateway.reload("test"))[0]
+        with pytest.raises(openai.APIStatusError) as e:
+            client(stack).chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert e.value.status_code == 503 and e.value.code == "ledger_unavailable"
+        assert all(not s.requests for s in stubs)
+    finally:
+        stack.stop()
+
+
 def spent(tmp_path, name="a") -> float:
     store = SqliteSpendStore(tmp_path / "state.db")
     try:
@@ -205,6 +222,9 @@ def test_an_instance_without_usage_is_costed_by_counting(budget_stack, tmp_path)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " w" * 9
     expected = usage["cost_usd"] + final.model_extra["cost_usd"]
     assert spent(tmp_path) == pytest.approx(expected)  # both booked against the key
+    page = httpx.get(budget_stack.root + "/metrics", timeout=5).text
+    line = next(x for x in page.splitlines() if x.startswith('routebalance_key_spend_usd_total{key="a"}'))
+    assert float(line.split()[-1]) == pytest.approx(expected)
 
 
 def test_a_retried_request_pays_for_both_attempts_within_its_budget(budget_stack, tmp_path):

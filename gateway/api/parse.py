@@ -47,6 +47,7 @@ class CompletionRequest:
     routing: RoutingOptions
     n: int = 1  # answers the instance generates, each paid for: n, or best_of if larger
     tools: tuple = ()  # function signatures (tools, or legacy functions): part of the prompt that is paid for
+    has_media: bool = False  # images, audio or files in the messages: the prompt count misses them
 
 
 def parse_body(raw: bytes) -> dict:
@@ -239,9 +240,12 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
     _check_number(body, "presence_penalty", -2.0, 2.0)
     n = max(_count_of(body, "n"), _count_of(body, "best_of"))
     tools = _tools(body) if chat else ()
+    has_media = chat and any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
+                             for m in body["messages"])
 
     routing = parse_routing(body.pop("routing", None), headers, presets, policies)
-    return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing, n, tools)
+    return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing, n, tools,
+                             has_media)
 
 
 def _count_of(body: dict, name: str) -> int:

@@ -10,7 +10,8 @@ are two thin drivers of this object. A driver calls, in this order:
     view(cfg, now); decide(...)             estimate once, admit and assign per policy
     settle(batch, decided, now)             book each decided request on its first dispatch plan
     release_held(now)                       held requests whose policy lets them go
-    plans(ticket, now) / dispatched(...)    the ranked attempts, each with its budget clamp
+    plan(ticket, i, now, budget)            each ranked attempt in its turn, with its budget clamp
+    dispatched / attempt_failed|succeeded   an attempt goes out, and how the instance did
     progress / first_token / complete       what came back; the ledger and the policy hear it
 
 `decide` touches no ticket (live it runs in a worker thread while the event
@@ -241,34 +242,32 @@ class SchedulingLoop:
         if first is not None:
             self._book(ticket, first.instance, now)
 
-    def plans(self, ticket: Ticket, now: float | Callable[[], float],
-              budget_usd: Callable[[], float | None] | None = None) -> Iterator[DispatchPlan]:
-        """The attempts for a decided request, best first: its ranked instances that are
-        routable when their turn comes (not cooling down after failures), each with
-        max_tokens clamped to what the budget buys there and to what the instance
-        accepts (max_model_len minus the prompt). An instance whose prices leave nothing
-        for an answer is skipped.
+    def plans(self, ticket: Ticket, now: float) -> Iterator[DispatchPlan]:
+        """The attempts for a decided request, best first, with its own budget (see `plan`)."""
+        for i in ticket.decision.ranked if ticket.decision else ():
+            plan = self.plan(ticket, i, now, ticket.request.budget_usd)
+            if plan is not None:
+                yield plan
 
-        `now` and `budget_usd` may be functions, read as each attempt is planned: time
-        passes and money is spent between attempts (a failed attempt is paid for too,
-        and a key's other requests spend concurrently). Without `budget_usd` the
-        request's own budget applies."""
+    def plan(self, ticket: Ticket, i: int, now: float, budget_usd: float | None) -> DispatchPlan | None:
+        """An attempt of the request on its ranked instance `i`, with max_tokens clamped to what
+        `budget_usd` buys there (for each of its n answers) and to what the instance accepts
+        (max_model_len minus the prompt); None if the instance is not routable now (cooling
+        down after failures) or its prices leave nothing for an answer. A driver plans each
+        attempt when its turn comes: time passes and money is spent between attempts (a failed
+        attempt is paid for too, and a key's other requests spend concurrently)."""
         cfg, req = ticket.config, ticket.request
-        clock = now if callable(now) else (lambda: now)
-        ranked = ticket.decision.ranked if ticket.decision else ()
-        for i in ranked:
-            inst = cfg.instances[i]
-            if not self.ledger.routable(inst.name, clock()):
-                continue
-            budget = budget_usd() if budget_usd is not None else req.budget_usd
-            max_tokens = req.max_tokens
-            if budget is not None:
-                max_tokens = clamp_max_tokens(budget, req.input_tokens, per_token(inst.price_input_per_mtok),
-                                              per_token(inst.price_output_per_mtok), req.max_tokens, req.n,
-                                              inst.max_model_len - req.input_tokens)
-                if max_tokens is None:
-                    continue
-            yield DispatchPlan(i, max_tokens, max_tokens != req.max_tokens)
+        inst = cfg.instances[i]
+        if not self.ledger.routable(inst.name, now):
+            return None
+        max_tokens = req.max_tokens
+        if budget_usd is not None:
+            max_tokens = clamp_max_tokens(budget_usd, req.input_tokens, per_token(inst.price_input_per_mtok),
+                                          per_token(inst.price_output_per_mtok), req.max_tokens, req.n,
+                                          inst.max_model_len - req.input_tokens)
+            if max_tokens is None:
+                return None
+        return DispatchPlan(i, max_tokens, max_tokens != req.max_tokens)
 
     def dispatched(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:
         """An attempt goes out on `plan`: the request's booking moves there if it was elsewhere."""
@@ -339,7 +338,7 @@ def _checked(d: Decision, ticket: Ticket) -> Decision:
     if d.refused is not None:
         return d if not d.ranked else dataclasses.replace(d, ranked=())
     allowed = set(ticket.request.candidates)
-    ranked = tuple(i for i in d.ranked if i in allowed)
+    ranked = tuple(i for i in dict.fromkeys(d.ranked) if i in allowed)  # each instance once: never retried
     if not ranked:
         return Decision((), refused=Refusal(503, "the routing policy chose no instance for this request",
                                             "policy_error"))

@@ -53,8 +53,8 @@ def bearer_token(header_value: str | None) -> str | None:
     if header_value is None:
         return None
     parts = header_value.split()
-    if len(parts) != 2 or parts[0].lower() != "bearer":
-        return None
+    if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1].isascii():
+        return None  # a key is ASCII; anything else (undecodable header bytes included) is no key
     return parts[1]
 
 

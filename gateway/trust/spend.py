@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from gateway.config import ApiKey
+from gateway.scheduling.budget import within_budget
 
 
 class SpendStoreError(Exception):
@@ -225,7 +226,8 @@ class SpendLedger:
         _check_usd(amount_usd, "amount_usd")
         period = period_start(key.period, now)
         limit = key.spend_limit_usd
-        if limit is not None and self._committed(key.name, period) + amount_usd > limit:
+        # The same tolerance as the max_tokens clamp, so a worst case clamped to the remaining spend fits.
+        if limit is not None and not within_budget(self._committed(key.name, period) + amount_usd, limit):
             return None
         reservation = Reservation(next(self._ids), key.name, period, amount_usd)
         self._open[reservation.id] = reservation
