@@ -241,6 +241,8 @@ class Batching(Section):
     # eager: fire as soon as the scheduler is free; window: the paper's rule.
     mode: BatchMode = "eager"
     max_queue: int = option(4096, ge=1)
+    # A request not decided (and, for a policy that holds requests, released) within this is answered 503.
+    max_wait_s: float = option(30.0, gt=0)
     rules: tuple[BatchRule, ...] = (
         BatchRule(below=0.3, size=4, window_ms=50.0),
         BatchRule(below=0.7, size=16, window_ms=100.0),

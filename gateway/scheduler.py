@@ -62,7 +62,8 @@ class Scheduler:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def decide(self, request: RouteRequest, model: str, streaming: bool, config: Config) -> Ticket:
-        """Queue the request for the next batch and wait for its decision (429 if the queue is full).
+        """Queue the request for the next batch and wait for its decision (429 if the queue is full,
+        503 if no decision came within `batching.max_wait_s`, the time a held request waits included).
 
         The caller must hand the returned ticket to `complete` when the request ends,
         refused or served."""
@@ -74,7 +75,13 @@ class Scheduler:
                                 "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.wakeup.set()
         try:
-            await ticket.handle
+            # Bounded in time as in count: under overload a request is shed, not left to its client's timeout.
+            await asyncio.wait_for(ticket.handle, config.batching.max_wait_s)
+        except TimeoutError:
+            self.core.withdraw(ticket, loop.time())
+            self.metrics.rejected.labels("overloaded").inc()
+            raise ApiError(503, f"the gateway could not schedule the request within {config.batching.max_wait_s:g} s; "
+                                "retry shortly", code="overloaded", headers={"Retry-After": "1"}) from None
         except BaseException:  # the client left, or its batch failed: undo whatever was booked
             self.core.withdraw(ticket, loop.time())
             raise

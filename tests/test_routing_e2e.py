@@ -234,3 +234,19 @@ def test_a_reload_while_a_request_waits_keeps_it_on_its_model(tmp_path):
         assert sum(counted.values()) == 0, counted
     finally:
         stack.stop()
+
+
+def test_a_request_not_decided_in_time_is_shed_with_503(tmp_path):
+    # A window longer than max_wait_s: the request is still waiting for its batch when its time is up.
+    path = pool_config(tmp_path, batching={"mode": "window", "max_wait_s": 0.3,
+                                           "rules": [{"below": 1.01, "size": 32, "window_ms": 5000.0}]})
+    stack = Stack(path)
+    try:
+        r = httpx.post(stack.base_url + "/chat/completions", timeout=30,
+                       json={"model": "auto", "messages": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+        assert len(stack.gateway.scheduler.core.queue) == 0  # withdrawn, not left to fire later
+        assert 'routebalance_rejected_total{reason="overloaded"} 1.0' in httpx.get(stack.root + "/metrics").text
+    finally:
+        stack.stop()
