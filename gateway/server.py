@@ -216,7 +216,7 @@ class Gateway:
                                None, "ledger_unavailable")
             spend = RequestSpend(req.routing.budget_usd, key, self.spend, time.time)
             budget = spend.budget_left()
-            if spend.key is not None and spend.limited_by_key() and budget is not None and budget <= 0:
+            if budget is not None and budget <= 0 and spend.limited_by_key():  # reads the ledger only when spent
                 raise spend.refusal()
             input_tokens = await self._count_prompt(req, cfg, len(raw))
             routed = RouteRequest(

@@ -59,6 +59,7 @@ import tempfile
 import time
 import tomllib
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -254,6 +255,70 @@ def install_sigterm() -> None:
 
 def command_line() -> str:
     return shlex.join([sys.executable, *sys.argv])
+
+
+# ---- what chaos.py and soak.py share around their runs ----------------------------------------------------
+
+def add_stack_arguments(ap: argparse.ArgumentParser, concurrency: int) -> None:
+    """The options of the stack under test and of the requests sent to it."""
+    from gateway.config import default_config_path
+
+    ap.add_argument("--config", type=Path, default=default_config_path(), help="config to copy (default: packaged)")
+    ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"routing policy (default {DEFAULT_POLICY})")
+    ap.add_argument("--models-dir", type=Path,
+                    help="estimators directory (default: the config's; a policy that needs them builds them there)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="deadline of every request, seconds")
+    ap.add_argument("--concurrency", type=int, default=concurrency, help="requests in flight at most")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (config, log) even when all went well")
+
+
+def open_stack(args, name: str) -> tuple[Path, Path, dict, Stack]:
+    """The run's temp dir, config (and its data) and the stack, not started yet; prints how to rerun."""
+    install_sigterm()
+    workdir = Path(tempfile.mkdtemp(prefix=f"routebalance-{name}-"))
+    config, data = make_config(args.config, workdir, args.policy, models_dir=args.models_dir)
+    stack = Stack(config, data, workdir / "stack.log")
+    print(f"$ {command_line()}")
+    print(f"stack: $ {shlex.join(stack.cmd)}   (cwd {ROOT}; log {stack.log})")
+    return workdir, config, data, stack
+
+
+def report_stack(stack: Stack, metrics: dict[str, float]) -> int:
+    """Print the gateway's counters after the run and the problems of the stack's log; returns its tracebacks."""
+    if metrics:
+        print("gateway /metrics after the run: " + ", ".join(
+            f"{k.removeprefix('routebalance_')} {v:g}" for k, v in sorted(metrics.items())))
+    lines, tracebacks, last = stack.log_problems()
+    print(f"stack log: {lines} lines, {tracebacks} tracebacks" + "".join(f"\n  {t}" for t in last))
+    return tracebacks
+
+
+def print_outcomes(title: str, outcomes: list, kind_width: int) -> None:
+    """Up to 25 of `outcomes`, one line each."""
+    if not outcomes:
+        return
+    print(f"\n{title}: {len(outcomes)}")
+    for o in outcomes[:25]:
+        print(f"  t={o.at_s:6.1f} s {o.kind:<{kind_width}} {o.status:>8} {o.elapsed_s:5.1f} s  {o.reason}"
+              f"{'  instance ' + o.instance if o.instance else ''}"
+              f"{'  body: ' + o.excerpt[:160].replace(chr(10), ' ') if o.excerpt else ''}")
+
+
+def close_workdir(workdir: Path, keep: bool) -> None:
+    if keep:
+        print(f"\nkept {workdir} (config.toml, stack.log)")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_script(main: Callable[[], int]) -> None:
+    """Exit with `main`'s status; Ctrl-C has already stopped the child through `main`'s finally blocks."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; the stack was stopped", file=sys.stderr)
+        sys.exit(130)
 
 
 def held_out_prompts(config: Path, n: int) -> list[str]:
@@ -834,17 +899,10 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
 
 
 def main() -> int:
-    from gateway.config import default_config_path
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
     ap.add_argument("--rate", type=float, default=20.0, help="good requests per second (Poisson)")
-    ap.add_argument("--config", type=Path, default=default_config_path(), help="config to copy (default: packaged)")
-    ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"routing policy (default {DEFAULT_POLICY})")
-    ap.add_argument("--models-dir", type=Path,
-                    help="estimators directory (default: the config's; a policy that needs them builds them there)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="deadline of every request, seconds")
-    ap.add_argument("--concurrency", type=int, default=256, help="good requests in flight at most")
+    add_stack_arguments(ap, concurrency=256)
     ap.add_argument("--bad-every", type=float, default=0.5, help="seconds between two bad requests")
     ap.add_argument("--fault-every", type=float, default=3.0, help="seconds between two injected faults")
     ap.add_argument("--fault-hold", type=float, default=7.0, help="seconds a fault lasts before the restore")
@@ -854,23 +912,15 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of traffic after every instance is restored")
     ap.add_argument("--min-success", type=float, default=0.98,
                     help="exit 1 if fewer good requests succeed (those cut by a kill of their instance aside)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (config, log) even when all went well")
     args = ap.parse_args()
     if not (5 <= args.duration <= 3600 and 0 < args.rate <= 500):
         ap.error("--duration must be in 5..3600 s and --rate in (0, 500]")
 
-    install_sigterm()
-    workdir = Path(tempfile.mkdtemp(prefix="routebalance-chaos-"))
-    config, data = make_config(args.config, workdir, args.policy, models_dir=args.models_dir)
-    stack = Stack(config, data, workdir / "stack.log")
-    print(f"$ {command_line()}")
-    print(f"stack: $ {shlex.join(stack.cmd)}   (cwd {ROOT}; log {stack.log})")
+    workdir, config, data, stack = open_stack(args, "chaos")
     print(f"gateway {stack.root}, {len(data['instances'])} emulated instances, policy {args.policy}; "
           f"{args.duration:g} s at {args.rate:g} req/s good + 1 bad request per {args.bad_every:g} s; "
           f"a fault every {args.fault_every:g} s held {args.fault_hold:g} s (stall {args.stall_ms:g} ms), "
           f"at most {args.max_faulted} at once; every request times out after {args.timeout:g} s", flush=True)
-    keep = args.keep
     try:
         prompts = held_out_prompts(config, 1000)
         took = stack.start(ready_timeout_s=600)
@@ -918,31 +968,17 @@ def main() -> int:
     print(f"/health: slowest answer {health['max_s'] * 1000:.0f} ms")
     print(f"gateway process (emulator + gateway, one process): RSS {before['rss_mb']:.0f} -> {after['rss_mb']:.0f} MB,"
           f" fds {before['fds']} -> {after['fds']}, threads {before['threads']} -> {after['threads']}")
-    if metrics:
-        print("gateway /metrics after the run: " + ", ".join(
-            f"{k.removeprefix('routebalance_')} {v:g}" for k, v in sorted(metrics.items())))
-    lines, tracebacks, last = stack.log_problems()
-    print(f"stack log: {lines} lines, {tracebacks} tracebacks" + "".join(f"\n  {t}" for t in last))
+    tracebacks = report_stack(stack, metrics)
     print("\nfault timeline:")
     for t, name, what in faults.events:
         print(f"  t={t:6.1f} s  {name:<16} {what}")
     lost = [o for o in tally.outcomes if o.result == LOST]
     unexpected = [o for o in tally.outcomes if o.result != LOST and o.expect != "either"
                   and (o.result == OK) != (o.expect == "ok") and o not in cut_all]
-    for title, items in (("LOST", lost), ("unexpected (not lost, but not what a correct gateway answers)",
-                                         unexpected)):
-        if items:
-            print(f"\n{title}: {len(items)}")
-            for o in items[:25]:
-                print(f"  t={o.at_s:6.1f} s {o.kind:<24} {o.status:>8} {o.elapsed_s:5.1f} s  {o.reason}"
-                      f"{'  instance ' + o.instance if o.instance else ''}"
-                      f"{'  body: ' + o.excerpt[:160].replace(chr(10), ' ') if o.excerpt else ''}")
+    print_outcomes("LOST", lost, 24)
+    print_outcomes("unexpected (not lost, but not what a correct gateway answers)", unexpected, 24)
     failed = bool(lost) or adjusted < args.min_success
-    keep = keep or failed or tracebacks > 0
-    if keep:
-        print(f"\nkept {workdir} (config.toml, stack.log)")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
+    close_workdir(workdir, args.keep or failed or tracebacks > 0)
     verdict = "PASS" if not failed else "FAIL"
     print(f"\n{verdict}: {n_lost} lost; good traffic {rate:.2%} succeeded, {adjusted:.2%} without the requests "
           f"cut by a kill (min {args.min_success:.0%})"
@@ -951,8 +987,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; the stack was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_script(main)

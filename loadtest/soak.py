@@ -25,29 +25,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shlex
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 from chaos import (
-    DEFAULT_POLICY,
     FAILED,
     LOST,
     OK,
-    ROOT,
     Stack,
     Tally,
-    command_line,
+    add_stack_arguments,
+    close_workdir,
     format_table,
     good_request,
     held_out_prompts,
-    install_sigterm,
-    make_config,
+    open_stack,
+    print_outcomes,
     proc_sample,
+    report_stack,
+    run_script,
     scrape_metrics,
     spawn,
 )
@@ -116,33 +113,20 @@ async def soak(args, stack: Stack, prompts: list[str]) -> tuple[Tally, list[dict
 
 
 def main() -> int:
-    from gateway.config import default_config_path
     from gateway.sim.evalset import EVAL_PROMPTS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0, help="minutes of load")
     ap.add_argument("--rate", type=float, default=30.0, help="requests per second (Poisson, open loop)")
-    ap.add_argument("--config", type=Path, default=default_config_path(), help="config to copy (default: packaged)")
-    ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"routing policy (default {DEFAULT_POLICY})")
-    ap.add_argument("--models-dir", type=Path,
-                    help="estimators directory (default: the config's; a policy that needs them builds them there)")
+    add_stack_arguments(ap, concurrency=512)
     ap.add_argument("--sample-every", type=float, default=10.0, help="seconds between two RSS/fd samples")
     ap.add_argument("--warmup", type=float, default=60.0, help="growth is measured from the first sample after this")
     ap.add_argument("--max-growth", type=float, default=10.0, help="exit 1 if RSS grows more than this, percent")
-    ap.add_argument("--timeout", type=float, default=60.0, help="deadline of every request, seconds")
-    ap.add_argument("--concurrency", type=int, default=512, help="requests in flight at most")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (config, log) even when all went well")
     args = ap.parse_args()
     if not (0.5 <= args.minutes <= 240 and 0 < args.rate <= 500 and args.warmup < args.minutes * 60):
         ap.error("--minutes must be in 0.5..240, --rate in (0, 500], --warmup shorter than the run")
 
-    install_sigterm()
-    workdir = Path(tempfile.mkdtemp(prefix="routebalance-soak-"))
-    config, data = make_config(args.config, workdir, args.policy, models_dir=args.models_dir)
-    stack = Stack(config, data, workdir / "stack.log")
-    print(f"$ {command_line()}")
-    print(f"stack: $ {shlex.join(stack.cmd)}   (cwd {ROOT}; log {stack.log})")
+    workdir, config, data, stack = open_stack(args, "soak")
     print(f"gateway {stack.root}, {len(data['instances'])} emulated instances, policy {args.policy}; "
           f"{args.minutes:g} min at {args.rate:g} req/s (chat, `auto`, half streamed); every request times out after "
           f"{args.timeout:g} s. RSS and fds are of the ONE process `routebalance up` runs: gateway AND emulator.",
@@ -193,31 +177,14 @@ def main() -> int:
           f"{max(s['threads'] for s in samples):>8}")
     print(f"  RSS growth from after warm-up to end: {growth:+.1f}% (limit {args.max_growth:g}%); "
           f"trend after warm-up {slope:+.1f} MB per 10 min; peak RSS (VmHWM) {drained['hwm_mb']:.1f} MB")
-    if metrics:
-        print("gateway /metrics after the run: " + ", ".join(
-            f"{k.removeprefix('routebalance_')} {v:g}" for k, v in sorted(metrics.items())))
-    lines, tracebacks, last_tb = stack.log_problems()
-    print(f"stack log: {lines} lines, {tracebacks} tracebacks" + "".join(f"\n  {t}" for t in last_tb))
-    lost = [o for o in outcomes if o.result == LOST]
-    if lost:
-        print(f"\nLOST: {len(lost)}")
-        for o in lost[:25]:
-            print(f"  t={o.at_s:6.1f} s {o.kind:<12} {o.status:>8} {o.elapsed_s:5.1f} s  {o.reason}"
-                  f"{'  instance ' + o.instance if o.instance else ''}"
-                  f"{'  body: ' + o.excerpt[:160].replace(chr(10), ' ') if o.excerpt else ''}")
+    tracebacks = report_stack(stack, metrics)
+    print_outcomes("LOST", [o for o in outcomes if o.result == LOST], 12)
     failed = growth > args.max_growth or n_lost > 0
-    if failed or args.keep or tracebacks:
-        print(f"\nkept {workdir} (config.toml, stack.log)")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
+    close_workdir(workdir, failed or args.keep or tracebacks > 0)
     print(f"\n{'FAIL' if failed else 'PASS'}: RSS growth {growth:+.1f}% (limit {args.max_growth:g}%), "
           f"fds {warm['fds']} -> {last['fds']} under load ({drained['fds']} after drain), {n_lost} lost")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; the stack was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_script(main)
