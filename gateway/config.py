@@ -60,6 +60,12 @@ MOVED = {
     "scheduler.pipeline": "[policies.pipeline]",
     **{f"scheduler.{k}": "[policies.routebalance]"
        for k in ("quality_term", "latency_term", "tiebreak", "lpt", "budget_filter")},
+    # Each learned pipeline router has its own table now; [policies.pipeline] keeps the dispatchers' seed.
+    "policies.pipeline.best_route_threshold": "[policies.best_route] as `threshold`: now the highest predicted "
+                                              "probability (0 to 1) of a cheaper model falling short, "
+                                              "not a quality gap",
+    "policies.pipeline.avengers_performance_weight": "[policies.avengers] as `performance_weight`",
+    "policies.pipeline.avengers_clusters": "[policies.avengers] as `clusters`",
 }
 
 
@@ -285,8 +291,11 @@ class Estimators(Section):
     threads: int = option(2, ge=1)  # onnxruntime intra-op threads
     batch_size: int = option(8, ge=1)  # length-sorted sub-batches inside one embed call
     # Size of the synthetic labelled workload `train` builds when no data is given.
-    train_records: int = option(2000, ge=50)
+    train_records: int = option(18608, ge=50)
     seed: int = 0
+    # The synthetic workload's quality labels: "graded" scores in [0, 1], or "binary" 0/1
+    # judgements drawn from them (as real data sets often label answers).
+    labels: Literal["graded", "binary"] = "graded"
 
 
 @section
@@ -422,8 +431,8 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> Config:
     """Validate already-parsed TOML data; ConfigError names ``source`` and the key."""
     try:
         data = dict(data)
-        policies = _policy_tables(data.pop("policies", {}))
         _moved_keys(data)
+        policies = _policy_tables(data.pop("policies", {}))
         return dataclasses.replace(build_section(Config, data, ""), policies=policies)
     except ConfigError as err:
         raise ConfigError(err.reason, err.key, source) from None
@@ -444,12 +453,13 @@ def _policy_tables(data: Any) -> Mapping[str, Any]:
 
 
 def _moved_keys(data: dict[str, Any]) -> None:
-    scheduler = data.get("scheduler")
-    if isinstance(scheduler, dict):
-        for key in scheduler:
-            where = MOVED.get(f"scheduler.{key}")
-            if where:
-                raise ConfigError(f"moved to {where}", f"scheduler.{key}")
+    for key, where in MOVED.items():
+        *tables, name = key.split(".")
+        table: Any = data
+        for t in tables:
+            table = table.get(t) if isinstance(table, dict) else None
+        if isinstance(table, dict) and name in table:
+            raise ConfigError(f"moved to {where}", key)
 
 
 def _read(path: Path) -> tuple[Config, tuple[int, int, int] | None]:

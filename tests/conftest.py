@@ -20,7 +20,7 @@ from gateway.config import ConfigStore, default_config_path, load_config
 from gateway.estimators.build import ensure_built
 from gateway.estimators.bundle import Estimators
 
-RECORDS = 800  # a small synthetic training set: the whole suite shares one build of it
+RECORDS = 2000  # a small synthetic training set: the whole suite shares one build of it
 ADMIN_TOKEN = "test-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

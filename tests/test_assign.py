@@ -17,6 +17,8 @@ from gateway.scheduling.scoring import eq1, expected_latency
 from gateway.workload import split
 from gateway.workload.synthetic import generate
 
+RNG = np.random.default_rng  # a fresh seeded tie-break stream per call
+
 CFG = load_config(default_config_path())
 UNIFORM = (1 / 3, 1 / 3, 1 / 3)
 
@@ -54,17 +56,18 @@ def test_eq2_costs_and_the_budget_filter():
     cost = predicted_cost(1000, np.array([200.0, 50.0]), price_in, price_out)
     # 3B: 1000*0.06e-6 + 200*0.06e-6 = 7.2e-5; 72B: 1000*0.38e-6 + 50*0.40e-6 = 4.0e-4
     assert cost == pytest.approx([7.2e-5, 4.0e-4])
-    keep, fallback = budget_filter(1e-4, 1000, cost, price_in, price_out, use_filter=True)
-    assert keep.tolist() == [True, False] and fallback is None
-    # Nothing fits, but the 3B can pay for the prompt: it serves, cheapest first.
-    keep, fallback = budget_filter(6.5e-5, 1000, cost, price_in, price_out, use_filter=True)
-    assert not keep.any() and fallback.tolist() == [0]
-    # Not even the prompt can be paid: refused (no fallback).
-    keep, fallback = budget_filter(5e-5, 1000, cost, price_in, price_out, use_filter=True)
-    assert not keep.any() and fallback is None
-    # With the filter off every candidate that can pay the prompt stays (the clamp does the rest).
-    keep, _ = budget_filter(4.0e-4, 1000, cost, price_in, price_out, use_filter=False)
+    keep = budget_filter(1e-4, 1000, cost, price_in, price_out, use_filter=True)
+    assert keep.tolist() == [True, False]
+    # Nothing is predicted to fit, though the 3B could pay for the prompt: nothing kept (refused, not rerouted).
+    keep = budget_filter(6.5e-5, 1000, cost, price_in, price_out, use_filter=True)
+    assert not keep.any()
+    # With the filter off every candidate that can pay the prompt stays (the clamp does the rest) ...
+    keep = budget_filter(4.0e-4, 1000, cost, price_in, price_out, use_filter=False)
     assert keep.tolist() == [True, True]
+    keep = budget_filter(6.5e-5, 1000, cost, price_in, price_out, use_filter=False)
+    assert keep.tolist() == [True, False]
+    # ... and none when not even the prompt can be paid.
+    assert not budget_filter(5e-5, 1000, cost, price_in, price_out, use_filter=False).any()
 
 
 def test_latency_waits_only_without_a_free_slot():
@@ -91,22 +94,28 @@ def test_dead_reckoning_spreads_a_burst_over_a_tier(latency_term):
         return 0.02 * (1 + 0.05 * rows[:, 4])
 
     decisions = assign_batch(batch, est, idle_view(), RouteBalanceOptions(latency_term=latency_term),
-                             heads if latency_term == "heads" else None)
+                             heads if latency_term == "heads" else None, RNG())
     per_instance = Counter(d.ranked[0] for d in decisions)
     assert set(per_instance) == set(sevens)
     assert max(per_instance.values()) - min(per_instance.values()) <= 1
 
 
-def test_budget_falls_back_to_the_cheapest_or_refuses():
-    est = flat_estimates(3, {MODELS["3b"]: 0.3, MODELS["7b"]: 0.35, MODELS["14b"]: 0.4, MODELS["72b"]: 0.45},
+def test_budget_keeps_what_it_can_pay_and_refuses_the_rest():
+    est = flat_estimates(4, {MODELS["3b"]: 0.3, MODELS["7b"]: 0.35, MODELS["14b"]: 0.4, MODELS["72b"]: 0.45},
                          {m: 200.0 for m in CFG.models()})
-    batch = [request(budget=1.0), request(budget=2e-5, input_tokens=100), request(budget=1e-6, input_tokens=100)]
-    roomy, tight, broke = assign_batch(batch, est, idle_view(), RouteBalanceOptions(), None)
+    batch = [request(budget=1.0), request(budget=2e-5, input_tokens=100), request(budget=1e-5, input_tokens=100),
+             request(budget=1e-6, input_tokens=100)]
+    roomy, tight, short, broke = assign_batch(batch, est, idle_view(), RouteBalanceOptions(), None, RNG())
     assert roomy.refused is None and roomy.cost_usd <= 1.0
     # 100 in + 200 out on 3B is 1.8e-5: the 3B fits and nothing else does.
     assert CFG.instances[tight.ranked[0]].model == MODELS["3b"] and tight.cost_usd <= 2e-5
     assert all(CFG.instances[i].model == MODELS["3b"] for i in tight.ranked)
+    # The prompt could be paid, the predicted answer cannot anywhere: a 402 saying so, not a silent cut.
+    assert short.ranked == () and short.refused.status == 402 and "predicted cost" in short.refused.message
     assert broke.ranked == () and "cannot pay" in broke.refused.message and broke.refused.status == 402
+    # Without the filter the short budget is served where Eq. 1 says, clamped by the dispatch plan.
+    unfiltered = assign_batch(batch[2:3], est, idle_view(), RouteBalanceOptions(budget_filter=False), None, RNG())[0]
+    assert unfiltered.refused is None and unfiltered.ranked
 
 
 def test_losing_a_tier_routes_everything_to_the_rest():
@@ -118,7 +127,7 @@ def test_losing_a_tier_routes_everything_to_the_rest():
     quality = {m: 0.3 for m in CFG.models()} | {MODELS["72b"]: 0.9}  # everyone would want the 72B
     est = flat_estimates(20, quality, {m: 100.0 for m in CFG.models()})
     decisions = assign_batch([request(weights=(0.8, 0.1, 0.1)) for _ in range(20)], est, view,
-                             RouteBalanceOptions(), None)
+                             RouteBalanceOptions(), None, RNG())
     assert all(CFG.instances[d.ranked[0]].model != MODELS["72b"] for d in decisions)
 
 
@@ -133,7 +142,7 @@ def tier_mix(estimators, preset: str, n: int = 96) -> Counter:
         batch = [request(weights=(w.quality, w.latency, w.cost), text=p) for p in prompts[start:start + 16]]
         rows = slice(start, start + 16)
         sub = Estimates(est.quality[rows], est.length[rows])
-        for d in assign_batch(batch, sub, view, RouteBalanceOptions(), estimators.heads.tpot):
+        for d in assign_batch(batch, sub, view, RouteBalanceOptions(), estimators.heads.tpot, RNG()):
             mix[CFG.instances[d.ranked[0]].model] += 1
     return mix
 
@@ -145,3 +154,18 @@ def test_presets_move_the_tier_mix_the_way_the_paper_says(built):
     assert sum(quality[m] for m in big) > sum(cost[m] for m in big)
     assert cost[MODELS["3b"]] > 0.5 * sum(cost.values())
     assert quality[MODELS["72b"]] > cost[MODELS["72b"]]
+
+
+def test_exact_ties_spread_over_equal_instances_and_repeat_per_seed():
+    """An idle pool of identical instances ties every score and queue: the draw spreads picks, seeded."""
+    sevens = [i for i, inst in enumerate(CFG.instances) if inst.model == MODELS["7b"]]
+    est = flat_estimates(1, {m: 0.4 for m in CFG.models()}, {m: 150.0 for m in CFG.models()})
+
+    def first_picks(seed: int) -> list[int]:
+        rng = RNG(seed)
+        return [assign_batch([request(sevens)], est, idle_view(), RouteBalanceOptions(), None, rng)[0].ranked[0]
+                for _ in range(40)]
+
+    picks = first_picks(0)
+    assert len(set(picks)) == len(sevens)  # lone requests on a fresh view no longer all go to the first 7B
+    assert picks == first_picks(0) and picks != first_picks(1)

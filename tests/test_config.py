@@ -88,7 +88,7 @@ def test_default_file_spells_out_the_code_defaults():
     implied = parse_config({"instances": [minimal_instance()]})
     for section in ("server", "upstream", "scheduler", "batching", "telemetry", "emulator"):
         assert getattr(written, section) == getattr(implied, section), section
-    assert set(written.policies) == {"routebalance", "pipeline"}
+    assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route"}
     for table in written.policies:
         assert written.options(table) == implied.options(table), table
 

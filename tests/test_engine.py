@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from gateway.config import default_config_path, load_config
-from gateway.emulator.calibration import round_robin_mean_e2e
 from gateway.engine.engine import Engine
 from gateway.engine.profiles import spec_for_instance as spec_of
 
@@ -119,11 +118,3 @@ def test_arrivals_after_a_step_started_wait_for_the_next_step():
 
 
 
-def test_calibration_always_72b_overloads_at_30_rps_while_the_pool_copes():
-    # The paper's testbed: a quality-only router (everything to the two 72B
-    # instances) goes from a few seconds at 6 req/s to over a minute at 30.
-    instances = load_config(default_config_path()).instances
-    assert round_robin_mean_e2e(instances, [0, 1], 6, 1500) < 4.0
-    assert round_robin_mean_e2e(instances, [0, 1], 30, 3534) > 45.0
-    # The whole 13-instance pool, even with blind round robin, stays near flat.
-    assert round_robin_mean_e2e(instances, list(range(13)), 30, 3534) < 4.0

@@ -10,8 +10,9 @@ import pytest
 
 from conftest import RECORDS, small_config
 from gateway.estimators import ArtefactError
-from gateway.estimators.build import ensure_built, format_report
+from gateway.estimators.build import ensure_built, format_report, label_arrays, preset_quality
 from gateway.estimators.bundle import Estimators
+from gateway.estimators.knn import KnnEstimator
 from gateway.workload import MAX_OUTPUT_TOKENS, split
 from gateway.workload.synthetic import generate
 
@@ -50,16 +51,55 @@ def test_identical_prompts_get_identical_estimates_and_batch_matches_single(buil
     assert np.all((batch.length >= 1) & (batch.length <= MAX_OUTPUT_TOKENS))
 
 
-def test_a_prompt_on_top_of_a_labelled_neighbour_gets_its_labels(built):
+def test_a_prompt_on_top_of_a_labelled_neighbour_gets_its_labels_shrunk_toward_the_prior(built):
     _, _, est = built
     train, _ = split(generate(RECORDS))
     record = train[3]
-    got = est.estimate([record.prompt])
-    expected_q = [record.models[m].score for m in est.knn.models]
+    vector = est.embedder.embed([record.prompt])
+    expected_q = np.array([record.models[m].score for m in est.knn.models])
     expected_len = [record.models[m].output_length for m in est.knn.models]
-    # cos = 1 gives weight 1e6 against at most ~10 for the others: the neighbour dominates.
-    assert np.allclose(got.quality[0], expected_q, atol=1e-3)
-    assert np.allclose(got.length[0], expected_len, rtol=1e-3)
+    # cos = 1 gives weight 1e6 against at most ~10 for the others: the neighbour dominates the raw means.
+    raw = est.knn.estimate(vector, shrink=False)
+    assert np.allclose(raw.quality[0], expected_q, atol=1e-3)
+    assert np.allclose(raw.length[0], expected_len, rtol=1e-3)
+    # One neighbour is one label's worth of evidence: the served estimate moves from each model's prior
+    # toward that label, part of the way.
+    prior = est.knn.prior.mean
+    shrunk = est.knn.estimate(vector).quality[0]
+    between = np.minimum(prior, expected_q) - 1e-6, np.maximum(prior, expected_q) + 1e-6
+    assert np.all((between[0] <= shrunk) & (shrunk <= between[1]))
+    assert np.abs(shrunk - prior).sum() > 0 and np.abs(shrunk - expected_q).sum() > 0
+
+
+@pytest.fixture(scope="module")
+def held_out_vectors(built):
+    """Embeddings of the prompts the suite's build held out, and of 600 after them."""
+    records = generate(RECORDS + 600)
+    held = split(records[:RECORDS])[1] + records[RECORDS:]
+    return built[2].embedder.embed([r.prompt for r in held])
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["graded", "0/1"])
+def test_quality_preset_picks_beat_the_best_single_model_on_held_out_prompts(built, held_out_vectors, binary):
+    """Trained on graded or on 0/1 labels, Eq. 1's quality preset over the shrunk estimates picks
+    models whose held-out labels beat always sending to the best single model; on 0/1 labels the
+    shrinkage does better than the raw neighbour means (which chase the luckiest model)."""
+    cfg, _, est = built
+    records = generate(RECORDS + 600, binary=binary)
+    train, held = split(records[:RECORDS])
+    held += records[RECORDS:]
+    models = est.knn.models
+    quality, length = label_arrays(train, models)
+    # The build's index holds the training prompts' embeddings in order: the same prompts, relabelled.
+    knn = KnnEstimator.build(est.knn.index.reconstruct_n(0, est.knn.index.ntotal), quality, length, models)
+    truth, _ = label_arrays(held, models)
+    shrunk = preset_quality(knn.estimate(held_out_vectors), truth, held, cfg.instances)
+    raw = preset_quality(knn.estimate(held_out_vectors, shrink=False), truth, held, cfg.instances)
+    best_single = truth.mean(axis=0).max()
+    assert shrunk >= best_single + 0.01
+    if binary:
+        assert knn.prior.noise_var.min() > 0.15  # 0/1 labels: most of a neighbourhood's spread is noise
+        assert shrunk >= raw
 
 
 @pytest.mark.parametrize("victim", ["knn.faiss", "knn_labels.npz", "minilm.onnx", "manifest.json"])

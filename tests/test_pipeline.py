@@ -10,7 +10,7 @@ import pytest
 from gateway.config import Config, Instance
 from gateway.estimators.knn import KnnEstimator
 from gateway.scheduling.policies import registry
-from gateway.scheduling.policies.pipeline import DISPATCHERS, ROUTERS, PipelineOptions
+from gateway.scheduling.policies.dispatchers import RoundRobin, ShortestQueue
 from gateway.scheduling.request import Estimates, RouteRequest
 from gateway.scheduling.view import PoolView
 
@@ -30,10 +30,17 @@ def pool(extra_model: str | None = None) -> tuple[Instance, ...]:
                  for k, (m, p) in enumerate(specs))
 
 
-def make_pipeline(name: str, inst=None, knn=None, **knobs):
-    """The registered policy `name`, built as the server builds it, for a config over `inst` (default: pool())."""
-    cfg = Config(instances=inst or pool(), policies=types.MappingProxyType({"pipeline": PipelineOptions(**knobs)}))
+def make_pipeline(name: str, inst=None, knn=None, **tables):
+    """The registered policy `name`, built as the server builds it, for a config over `inst` (default: pool()).
+
+    `tables`: policy table -> its knobs, e.g. pipeline={"seed": 7}, best_route={"threshold": 0.0}.
+    """
+    cfg = Config(instances=inst or pool(), policies=types.MappingProxyType(
+        {table: registry.options_class(table)(**knobs) for table, knobs in tables.items()}))
     return registry.build(name, cfg, None if knn is None else types.SimpleNamespace(knn=knn))
+
+
+PIPELINES = [n for n in registry.names() if "+" in n]
 
 
 def view_of(instances, active=None, available=None) -> PoolView:
@@ -79,13 +86,18 @@ def near(cluster: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return unit(centre + 0.05 * rng.standard_normal((n, DIM)))
 
 
-@pytest.fixture(scope="module")
-def knn() -> KnnEstimator:
+def cluster_knn() -> KnnEstimator:
+    """60 training prompts: 30 of cluster A, then 30 of B, labelled with CLUSTER_QUALITY."""
     rng = np.random.default_rng(1)
     emb = np.vstack([near("A", 30, rng), near("B", 30, rng)])
     quality = np.repeat(np.array([CLUSTER_QUALITY["A"], CLUSTER_QUALITY["B"]]), 30, axis=0)
     length = np.full((60, 3), 100.0)
     return KnnEstimator.build(emb, quality, length, LABELLED)
+
+
+@pytest.fixture(scope="module")
+def knn() -> KnnEstimator:
+    return cluster_knn()
 
 
 def estimates_for(instances, quality_by_model: list[dict[str, float]], embeddings=None) -> Estimates:
@@ -98,10 +110,15 @@ def picks(decisions) -> list[int]:
     return [d.ranked[0] for d in decisions]
 
 
-@pytest.mark.parametrize("name", [f"{r}+{d}" for r in ROUTERS for d in DISPATCHERS])
+def test_every_router_comes_with_every_dispatcher():
+    routers = {"passthrough", "avengers", "best_route"}
+    assert set(PIPELINES) == {f"{r}+{d}" for r in routers for d in ("round_robin", "shortest_queue", "random")}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
 def test_every_combination_keeps_each_request_on_its_own_candidates(name, knn):
     inst = pool()
-    policy = make_pipeline(name, inst, knn, avengers_clusters=2)
+    policy = make_pipeline(name, inst, knn, avengers={"clusters": 2})
     assert policy.name == name
     assert policy.needs_estimates == (not name.startswith("passthrough"))
     small, mid, big = (indices(inst, m) for m in LABELLED)
@@ -121,10 +138,10 @@ def test_every_combination_keeps_each_request_on_its_own_candidates(name, knn):
             assert {inst[i].model for i in d.ranked} == {inst[cands[0]].model}
 
 
-def test_the_chosen_models_instances_come_first_and_the_predictions_are_for_ranked_0():
+def test_the_chosen_models_instances_come_first_and_the_predictions_are_for_ranked_0(knn):
     inst = pool()
-    policy = make_pipeline("best_route+shortest_queue", best_route_threshold=0.0)
-    est = estimates_for(inst, [{"small": 0.1, "mid": 0.2, "big": 0.9}])
+    policy = make_pipeline("best_route+shortest_queue", inst, knn, best_route={"threshold": 0.0})  # always big
+    est = estimates_for(inst, [{"small": 0.1, "mid": 0.2, "big": 0.9}], near("A", 1, np.random.default_rng(5)))
     (d,) = policy.assign([request(range(len(inst)), input_tokens=1000)], est, view_of(inst))
     assert [inst[i].model for i in d.ranked[:4]] == ["big"] * 4
     b = d.ranked[0]
@@ -134,19 +151,20 @@ def test_the_chosen_models_instances_come_first_and_the_predictions_are_for_rank
     assert inst[b].model == "big"
 
 
-def test_round_robin_cycles_each_models_instances_even_when_models_interleave():
+def test_round_robin_cycles_each_models_instances_even_when_models_interleave(knn):
     inst = pool()
-    policy = make_pipeline("best_route+round_robin", best_route_threshold=0.0)
+    policy = make_pipeline("best_route+round_robin", inst, knn, best_route={"threshold": 0.0})  # always big
     everything, small = tuple(range(len(inst))), indices(inst, "small")
-    # Even requests may use anything (big is predicted best); odd ones only small.
+    # Even requests may use anything (and go to big); odd ones only small.
     batch = [request(everything if r % 2 == 0 else small) for r in range(8)]
-    est = estimates_for(inst, [{"small": 0.1, "mid": 0.2, "big": 0.9}] * 8)
+    est = estimates_for(inst, [{"small": 0.1, "mid": 0.2, "big": 0.9}] * 8, near("A", 8, np.random.default_rng(5)))
     view = view_of(inst)
     first = picks(policy.assign(batch, est, view))
     big = indices(inst, "big")
-    assert first[0::2] == list(big)
-    assert first[1::2] == [small[0], small[1], small[0], small[1]]
-    assert picks(policy.assign(batch[:2], est, view)) == [big[0], small[0]]  # the turns carry over batches
+    assert sorted(first[0::2]) == list(big)  # each big replica once, in a seeded order
+    assert sorted(first[1::2]) == [small[0], small[0], small[1], small[1]]
+    assert first[1::2][:2] == first[1::2][2:]  # small alternates
+    assert picks(policy.assign(batch[:2], est, view)) == first[:2]  # the turns carry over batches
 
 
 def test_shortest_queue_spreads_a_burst_instead_of_herding():
@@ -168,13 +186,41 @@ def test_shortest_queue_prefers_the_emptiest_and_breaks_ties_by_free_share():
     assert d.ranked == (big[1], big[3], big[2], big[0])
 
 
+@pytest.mark.parametrize("dispatcher", ["shortest_queue", "round_robin"])
+def test_ties_are_broken_at_random_with_a_seed_not_by_index(dispatcher):
+    inst = pool()
+    big = indices(inst, "big")
+
+    def firsts(seed):
+        """The first choice of a fresh policy on an idle pool (every big replica ties), over 40 seeds."""
+        return [picks(make_pipeline(f"passthrough+{dispatcher}", pipeline={"seed": seed + k}).assign(
+            [request(big)], None, view_of(inst)))[0] for k in range(40)]
+
+    assert firsts(0) == firsts(0)
+    assert set(firsts(0)) == set(big)  # no herding onto big[0]
+    assert firsts(0) != firsts(1)
+
+
+def test_shortest_queue_ranks_ties_in_a_different_order_each_time():
+    inst = pool()
+    big = indices(inst, "big")
+    view = view_of(inst)  # idle, and never updated: every rank sees four ties
+    sq = ShortestQueue(seed=3)
+    tops = [sq.rank(big, view)[0] for _ in range(200)]
+    assert {b: tops.count(b) for b in big} == pytest.approx({b: 50 for b in big}, abs=20)
+    again = ShortestQueue(seed=3)
+    assert [again.rank(big, view)[0] for _ in range(200)] == tops
+    rr = RoundRobin(seed=3)
+    assert sorted(rr.rank(big, view)) == list(big)
+
+
 def test_random_is_deterministic_for_a_seed_and_covers_every_instance():
     inst = pool()
     big = indices(inst, "big")
     batch = [request(big) for _ in range(40)]
 
     def run(seed):
-        return picks(make_pipeline("passthrough+random", seed=seed).assign(batch, None, view_of(inst)))
+        return picks(make_pipeline("passthrough+random", pipeline={"seed": seed}).assign(batch, None, view_of(inst)))
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -191,52 +237,10 @@ def test_an_instance_known_down_is_not_ranked():
     assert all(big[0] not in d.ranked for d in decisions)
 
 
-@pytest.mark.parametrize(("threshold", "model"), [(0.0, "big"), (0.15, "mid"), (1.0, "small")])
-def test_best_route_takes_the_cheapest_model_within_the_threshold(threshold, model):
-    inst = pool()
-    est = estimates_for(inst, [{"small": 0.5, "mid": 0.6, "big": 0.7}])
-    (d,) = make_pipeline("best_route+round_robin", best_route_threshold=threshold).assign(
-        [request(range(len(inst)))], est, view_of(inst))
-    assert inst[d.ranked[0]].model == model
-
-
-def test_best_route_picks_among_the_requests_own_models_only():
-    inst = pool()
-    est = estimates_for(inst, [{"small": 0.5, "mid": 0.6, "big": 0.7}])
-    cands = indices(inst, "mid") + indices(inst, "big")
-    (d,) = make_pipeline("best_route+round_robin", best_route_threshold=1.0).assign([request(cands)], est,
-                                                                                    view_of(inst))
-    assert inst[d.ranked[0]].model == "mid"
-
-
-@pytest.mark.parametrize("clusters", [2, 64])  # 64 is capped at the 60 training prompts
-@pytest.mark.parametrize(("weight", "expected"), [(1.0, {"A": "big", "B": "mid"}), (0.0, {"A": "small", "B": "small"})])
-def test_avengers_follows_the_cluster_labels(knn, clusters, weight, expected):
-    inst = pool()
-    policy = make_pipeline("avengers+shortest_queue", inst, knn, avengers_performance_weight=weight,
-                           avengers_clusters=clusters)
-    rng = np.random.default_rng(3)
-    emb = np.vstack([near("A", 4, rng), near("B", 4, rng)])
-    est = Estimates(quality=np.zeros((8, len(inst))), length=np.full((8, len(inst)), 100.0), embeddings=emb)
-    decisions = policy.assign([request(range(len(inst))) for _ in range(8)], est, view_of(inst))
-    assert [inst[d.ranked[0]].model for d in decisions] == [expected["A"]] * 4 + [expected["B"]] * 4
-
-
-def test_avengers_never_picks_an_unlabelled_model(knn):
-    inst = pool(extra_model="tiny")
-    tiny, small = indices(inst, "tiny"), indices(inst, "small")
-    policy = make_pipeline("avengers+round_robin", inst, knn, avengers_performance_weight=0.0, avengers_clusters=2)
-    emb = near("A", 2, np.random.default_rng(4))
-    est = Estimates(quality=np.zeros((2, len(inst))), length=np.full((2, len(inst)), 100.0), embeddings=emb)
-    mixed, only_tiny = policy.assign([request(tiny + small), request(tiny)], est, view_of(inst))
-    assert inst[mixed.ranked[0]].model == "small"  # tiny is cheaper, but has no labels
-    assert mixed.ranked[-1] == tiny[0]
-    assert only_tiny.ranked == tiny  # no labelled model: passthrough
-
-
 def test_bad_names_are_refused():
     for bad in ("passthrough", "nope+round_robin", "passthrough+nope", "passthrough+random+x"):
         with pytest.raises(ValueError, match=r"unknown policy .* \(known: routebalance, passthrough\+round_robin"):
             make_pipeline(bad)
-    with pytest.raises(ValueError, match="KNN"):
-        make_pipeline("avengers+random")
+    for needs_knn in ("avengers+random", "best_route+shortest_queue"):
+        with pytest.raises(ValueError, match="KNN"):
+            make_pipeline(needs_knn)

@@ -64,15 +64,22 @@ def test_a_budget_that_cannot_pay_for_the_input_is_refused(client):
     assert "budget" in err.value.message
 
 
-def test_a_budget_for_a_short_answer_clamps_it(client, stack):
+def test_a_budget_below_the_predicted_answer_is_refused_and_the_clamp_cuts_what_is_served(client, stack):
     # The prompt costs n x 0.06e-6 USD on 3B and n x 0.07e-6 on 7B; the budget leaves 3B
-    # ten answer tokens and 7B not even one, so 3B must serve, clamped to ten tokens.
+    # ten answer tokens and 7B not even one.
     messages = [{"role": "user", "content": "Summarise the history of the printing press in Europe. " * 6}]
     n = TokenCounter().count_chat(messages)
     budget = (n + 10.5) * 0.06e-6
     assert budget < (n + 1) * 0.07e-6
+    # RouteBalance's filter (Eq. 2): no candidate's predicted answer fits, so it is refused, not rerouted.
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="auto", messages=messages, max_tokens=500,
+                                       extra_body={"routing": {"budget_usd": budget}})
+    assert refused.value.status_code == 402 and "predicted cost" in refused.value.message
+    # A pipeline baseline has no filter: the dispatch clamp cuts the 3B's answer to what the budget buys.
     raw = client.chat.completions.with_raw_response.create(
-        model="auto", messages=messages, max_tokens=500, extra_body={"routing": {"budget_usd": budget}})
+        model=MODEL_3B, messages=messages, max_tokens=500,
+        extra_body={"routing": {"budget_usd": budget, "policy": "passthrough+round_robin"}})
     resp = raw.parse()
     assert raw.headers["X-Route-Model"] == MODEL_3B
     assert int(raw.headers["X-Route-Max-Tokens"]) == 10

@@ -22,16 +22,17 @@ class ModelArch:
     layers: int
     kv_heads: int
     head_dim: int
-    # Mean answer length (tokens) when a prompt carries no label. Larger models
-    # answer more concisely; the figures reproduce the paper's latency and cost
-    # aggregates (3B about 190 tokens from its cheapest served cost, 72B about 45
-    # from its 2-3 s low-load E2E at 47.4 ms/token).
+    # Mean answer length (tokens) when a prompt carries no label: the synthetic
+    # workload's per-model means (gateway/workload/synthetic.py). The 72B is the
+    # slow tier per request (about 195 tokens at 47.4 ms/token), the 14B the
+    # concise one.
     mean_output_tokens: float
     # Extra step time per extra sequence in a decode batch, as a fraction of the
-    # batch-1 step. 1 / (tpot * slope) is the tier's decode ceiling in tokens/s;
-    # 72B's ~420 tok/s ceiling is what makes an always-72B load climb from ~3 s
-    # at 6 req/s to over 60 s at 30 req/s while the whole pool copes (paper, and
-    # tests/test_engine.py::test_calibration_*).
+    # batch-1 step. 1 / (tpot * slope) is the tier's decode ceiling in tokens/s.
+    # Tuned with `routebalance calibrate` against the paper's figures: the 3B's
+    # 0.01 and the 14B's 0.03 keep the uniform preset flat, and its tier mix
+    # nearly rate-independent, as those two tiers take most of the load; the
+    # 72B's 0.025 slows it under the quality preset.
     batch_slope: float
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
@@ -43,11 +44,11 @@ class ModelArch:
 
 # Architectures from the Qwen2.5 model cards (grouped-query attention).
 QWEN25 = {
-    "3b": ModelArch(3.09, 36, 2, 128, mean_output_tokens=190, batch_slope=0.027),
-    "7b": ModelArch(7.62, 28, 4, 128, mean_output_tokens=165, batch_slope=0.024),
-    "14b": ModelArch(14.7, 48, 8, 128, mean_output_tokens=130, batch_slope=0.022),
+    "3b": ModelArch(3.09, 36, 2, 128, mean_output_tokens=160, batch_slope=0.01),
+    "7b": ModelArch(7.62, 28, 4, 128, mean_output_tokens=150, batch_slope=0.024),
+    "14b": ModelArch(14.7, 48, 8, 128, mean_output_tokens=90, batch_slope=0.03),
     "32b": ModelArch(32.5, 64, 8, 128, mean_output_tokens=90, batch_slope=0.026),
-    "72b": ModelArch(72.7, 80, 8, 128, mean_output_tokens=45, batch_slope=0.05),
+    "72b": ModelArch(72.7, 80, 8, 128, mean_output_tokens=195, batch_slope=0.025),
 }
 
 # Dense half-precision tensor throughput per GPU, TFLOP/s (data sheets).

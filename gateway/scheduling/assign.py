@@ -36,9 +36,11 @@ class RouteBalanceOptions(Section):
     candidates; latency_term: the TPOT heads with live pending work, the
     tier's static prior (tpot_prior_ms x predicted length, no telemetry), or
     off (w_lat = 0); tiebreak among equal scores: the shorter queue, or the
-    lower predicted latency then the shorter queue; lpt: longest predicted
-    answer first within a batch; budget_filter: Eq. 2 before scoring (the
-    dispatch clamp and the streaming stop apply either way).
+    lower predicted latency then the shorter queue, and among instances
+    equal on those too a seeded random choice (`seed`), so ties spread load
+    instead of herding onto the lowest-numbered instance; lpt: longest
+    predicted answer first within a batch; budget_filter: Eq. 2 before
+    scoring (the dispatch clamp and the streaming stop apply either way).
     """
 
     quality_term: QualityTerm = "raw"
@@ -46,6 +48,7 @@ class RouteBalanceOptions(Section):
     tiebreak: TieBreak = "shortest_queue"
     lpt: bool = True
     budget_filter: bool = True
+    seed: int = 0
 
     @property
     def uses_heads(self) -> bool:
@@ -112,8 +115,9 @@ def capped(batch: Sequence[RouteRequest], est: Estimates) -> Estimates:
 
 
 def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
-                 tpot: TpotFn | None) -> list[Decision]:
-    """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place."""
+                 tpot: TpotFn | None, rng: np.random.Generator) -> list[Decision]:
+    """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place;
+    `rng` breaks the ties that remain after the tie-break keys."""
     est = capped(batch, est)
     latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
@@ -121,7 +125,7 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
     decisions: dict[int, Decision] = {}
     for k, r in enumerate(order):
         req, cands = batch[r], usable[r]
-        decision = decisions[r] = decide_one(req, r, cands, est, view, latency, options)
+        decision = decisions[r] = decide_one(req, r, cands, est, view, latency, options, rng)
         chosen = decision.ranked[0] if decision.ranked else None
         if chosen is not None:
             tokens = float(est.length[r, chosen])
@@ -132,7 +136,7 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
 
 
 def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, view: PoolView,
-               latency: BatchLatency, options: RouteBalanceOptions) -> Decision:
+               latency: BatchLatency, options: RouteBalanceOptions, rng: np.random.Generator) -> Decision:
     length = est.length[r, cands]
     cost = predicted_cost(req.input_tokens, length * req.n, view.price_in[cands], view.price_out[cands])
     if options.latency_term == "prior":  # the paper's arm 4: nominal TPOT x length, no instance state
@@ -142,15 +146,11 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
                              view.running[cands], view.waiting[cands], view.max_num_seqs[cands])
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
-        keep, fallback = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
-                                       view.price_out[cands], options.budget_filter, req.n)
+        keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
+                             options.budget_filter, req.n)
         if not keep.any():
-            if fallback is None:
-                return Decision((), refused=refusal(req.budget_usd, req.input_tokens, view.price_in[cands],
-                                                    view.price_out[cands], req.n))
-            best = fallback[0]
-            return Decision(tuple(int(c) for c in cands[fallback]), quality=float(quality[best]),
-                            cost_usd=float(cost[best]), latency_s=float(t[best]), tokens=float(length[best]))
+            return Decision((), refused=refusal(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
+                                                view.price_out[cands], options.budget_filter, req.n))
         cands, length, cost, t, quality = cands[keep], length[keep], cost[keep], t[keep], quality[keep]
     weights = req.weights
     if options.latency_term == "off":
@@ -160,39 +160,44 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     # (dead-reckoned requests on the instance), or the lower predicted latency
     # and then the shorter queue (a tree's predictions are piecewise constant,
     # so instances of a tier often tie on them; without the queue behind them
-    # such ties would all go to the lowest index).
+    # such ties would all go to the lowest index). What is still equal after
+    # that (an idle pool, identical instances) is drawn at random.
     queue = view.active[cands]
     rounded = np.round(scores / TIE) * TIE
+    draw = rng.random(len(cands))
     if options.tiebreak == "shortest_queue":
-        ranking = np.lexsort((cands, queue, -rounded))
+        ranking = np.lexsort((draw, queue, -rounded))
     else:
-        ranking = np.lexsort((cands, queue, np.round(t / TIE) * TIE, -rounded))
+        ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
                     latency_s=float(t[best]), tokens=float(length[best]))
 
 
 def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
-                  use_filter: bool, n: int = 1) -> tuple[np.ndarray, np.ndarray | None]:
-    """Eq. 2 over one request's candidates: (mask of those kept, fallback order).
+                  use_filter: bool, n: int = 1) -> np.ndarray:
+    """Eq. 2 over one request's candidates: the mask of those kept.
 
-    Kept: predicted cost within the budget (or, with the filter off, able to
-    pay for the prompt and one token for each of the `n` answers; the dispatch
-    clamp does the rest). If none is kept, the fallback is the candidates that
-    can pay for that, cheapest first: they serve answers clamped to what the
-    budget buys. No fallback (None) means the request is refused.
+    With the filter: the predicted cost (prompt plus each candidate's own
+    predicted answer, `cost`) is within the budget. Without it: every
+    candidate that can pay for the prompt and one token for each of the `n`
+    answers; the dispatch clamp and the streaming stop cut what the budget
+    cannot buy. Nothing kept means the request is refused (402), never
+    rerouted to a candidate its budget was judged unable to pay.
     """
     payable = within_budget(predicted_cost(input_tokens, n, price_in, price_out), budget)
-    keep = within_budget(cost, budget) & payable if use_filter else payable
-    if keep.any() or not payable.any():
-        return keep, None
-    idx = np.flatnonzero(payable)
-    return keep, idx[np.argsort(cost[idx], kind="stable")]
+    return within_budget(cost, budget) & payable if use_filter else payable
 
 
-def refusal(budget: float, input_tokens: int, price_in: np.ndarray, price_out: np.ndarray, n: int = 1) -> Refusal:
-    cheapest = float(predicted_cost(input_tokens, n, price_in, price_out).min()) if len(price_in) else 0.0
+def refusal(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
+            use_filter: bool, n: int = 1) -> Refusal:
+    least = float(predicted_cost(input_tokens, n, price_in, price_out).min()) if len(price_in) else 0.0
+    if least <= budget and use_filter:
+        return Refusal(402, f"the budget of {budget:.8f} USD is below the predicted cost of this request "
+                            f"({input_tokens} prompt tokens and the predicted answer) on every candidate instance; "
+                            f"the cheapest is predicted at {float(cost.min()):.8f} USD",
+                       "budget", "routing.budget_usd", "insufficient_budget")
     answers = "one answer token" if n == 1 else f"one token for each of {n} answers"
     return Refusal(402, f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and "
-                        f"{answers} on any candidate instance; the cheapest needs {cheapest:.8f} USD",
+                        f"{answers} on any candidate instance; the cheapest needs {least:.8f} USD",
                    "budget", "routing.budget_usd", "insufficient_budget")

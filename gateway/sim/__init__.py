@@ -4,5 +4,7 @@
 - evalset.py: held-out prompts with their labels and cached estimates, and the compute cost model;
 - simulator.py: one cell, through the batcher, the pool view, the policies and the engine model;
 - metrics.py: a cell's figures from its outcomes (shared with the live check);
-- sweeps.py, plots.py: the named sweeps, their tables and pictures.
+- stats.py: bootstrap intervals over seeds and requests, and paired differences;
+- sweeps.py, plots.py: the named sweeps, their tables and pictures;
+- calibrate.py: the paper's figures as targets, and how close the simulated world comes.
 """

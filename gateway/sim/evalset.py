@@ -91,8 +91,8 @@ def evaluation_records(cfg, n: int, workload: str | None = None) -> list[Record]
     if workload:
         records = split(read_jsonl(workload))[1]
     else:
-        first = cfg.estimators.train_records
-        records = generate(first + n, seed=cfg.estimators.seed)[first:]
+        est = cfg.estimators
+        records = generate(est.train_records + n, seed=est.seed, binary=est.labels == "binary")[est.train_records:]
     if len(records) < n:
         raise ValueError(f"only {len(records)} held-out records are available; asked for {n}")
     return records[:n]

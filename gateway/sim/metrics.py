@@ -2,7 +2,9 @@
 
 Pure functions over outcome records, so a simulated cell and a live run
 (loadtest/live_check.py builds the same records from real answers) are
-summarised by the same code.
+summarised by the same code. A cell run on several arrival seeds is reported
+as the mean over its seeds of each figure, with a bootstrap interval for the
+headline ones (stats.py), from compact per-request arrays of each run.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+
+from gateway.sim.stats import Interval, bootstrap_many, bootstrap_mean, differences
 
 PERCENTILES = (50, 95, 99)
 
@@ -24,7 +29,8 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
     - throughput: served requests over the span from the first arrival to the last answer;
     - residual: arrival to dispatch (batch wait + scheduler compute), the time a
       request spends in the gateway rather than on its instance;
-    - budget_exhaustion: share of budgeted requests refused or cut short by their budget.
+    - budget_exhaustion: share of budgeted requests refused or cut short by their budget;
+    - refused: share of requests refused (answered with an error, never served).
     """
     served = [o for o in outcomes if o.instance >= 0]
     if not outcomes:
@@ -47,6 +53,7 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
         "residual_mean": _mean(residual),
         "budget_exhaustion": (sum(1 for o in budgeted if o.instance < 0 or o.budget_cut) / len(budgeted)
                               if budgeted else 0.0),
+        "refused": 1.0 - len(served) / len(outcomes),
         "mix": {m: mix.get(m, 0) / len(outcomes) for m in dict.fromkeys(models)},
     }
     for p in PERCENTILES:
@@ -62,3 +69,108 @@ def _mean(x: np.ndarray) -> float:
 
 def _pct(x: np.ndarray, p: float) -> float:
     return float(np.percentile(x, p)) if len(x) else math.nan
+
+
+# ---- several seeds of one cell ------------------------------------------------------
+
+# The figures reported with a 95% interval (`<name>_lo`, `<name>_hi`) when a cell runs on several seeds.
+HEADLINE = ("quality", "e2e_mean", "e2e_p99", "ttft_mean", "cost_mean", "throughput", "budget_exhaustion", "refused")
+PAIRED = ("quality", "e2e_mean")  # the figures a paired comparison of two cells reports
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArrays:
+    """One run's outcomes, one entry per request in request order: what a sweep keeps of each seed.
+
+    NaN marks a figure a request does not have (no E2E when refused, no TTFT without a first token).
+    """
+
+    quality: np.ndarray  # judged quality of what was served (0 if refused)
+    e2e: np.ndarray  # s, arrival to last token
+    ttft: np.ndarray  # s, arrival to first token
+    cost: np.ndarray  # USD
+    tier: np.ndarray  # int8: index in `tiers` of the model that served it, -1 if refused
+    tiers: tuple[str, ...]  # the pool's models, in config order, each once
+    budgeted: np.ndarray  # bool: it carried a budget
+    budget_cut: np.ndarray  # bool: its budget ended the answer early
+
+    @classmethod
+    def of(cls, outcomes: Sequence, models: Sequence[str]) -> RequestArrays:
+        tiers = tuple(dict.fromkeys(models))
+        tier_of_instance = np.array([tiers.index(m) for m in models] + [-1], dtype=np.int8)  # [-1]: refused
+        instance = np.array([o.instance for o in outcomes])
+        served = instance >= 0
+        arrival = np.array([o.arrival for o in outcomes])
+        return cls(
+            quality=np.array([o.quality for o in outcomes], dtype=float),
+            e2e=np.where(served, np.array([o.finished for o in outcomes]) - arrival, np.nan),
+            ttft=np.where(served, np.array([o.first_token for o in outcomes]) - arrival, np.nan),
+            cost=np.array([o.cost_usd for o in outcomes], dtype=float),
+            tier=tier_of_instance[instance],
+            tiers=tiers,
+            budgeted=np.array([o.budget_usd is not None for o in outcomes]),
+            budget_cut=np.array([o.budget_cut for o in outcomes]),
+        )
+
+    @property
+    def refused(self) -> np.ndarray:
+        return (self.tier < 0).astype(float)
+
+    @property
+    def budget_exhausted(self) -> np.ndarray:
+        """1 if refused or cut short by its budget, 0 if not; NaN for a request without a budget."""
+        return np.where(self.budgeted, ((self.tier < 0) | self.budget_cut).astype(float), np.nan)
+
+
+def request_figures(runs: Sequence[RequestArrays]) -> dict[str, tuple[np.ndarray, str | float]]:
+    """The headline figures read per request, as summarise reads them: name -> ((seeds x requests), statistic)."""
+    def stacked(of) -> np.ndarray:
+        return np.stack([of(r) for r in runs])
+
+    exhausted = stacked(lambda r: r.budget_exhausted)
+    if np.isnan(exhausted).all():
+        exhausted = np.zeros_like(exhausted)  # no budgets: summarise reports 0, and so does its interval
+    e2e = stacked(lambda r: r.e2e)
+    return {"quality": (stacked(lambda r: r.quality), "mean"), "e2e_mean": (e2e, "mean"), "e2e_p99": (e2e, 99.0),
+            "ttft_mean": (stacked(lambda r: r.ttft), "mean"), "cost_mean": (stacked(lambda r: r.cost), "mean"),
+            "budget_exhaustion": (exhausted, "mean"), "refused": (stacked(lambda r: r.refused), "mean")}
+
+
+def mean_over_seeds(rows: Sequence[dict]) -> dict:
+    """One row from a cell's per-seed rows: each number averaged, the tier mix per model; the rest as it is."""
+    out: dict = {}
+    for key, first in rows[0].items():
+        values = [r[key] for r in rows]
+        if isinstance(first, dict):
+            out[key] = {k: float(np.mean([v[k] for v in values])) for k in first}
+        elif all(v == first for v in values) or isinstance(first, str | bool) or first is None:
+            out[key] = first  # what the cell is (its rate, weights, labels), or a figure every seed agrees on
+        else:
+            out[key] = float(np.mean(values))
+    return out
+
+
+def with_intervals(row: dict, seed_rows: Sequence[dict], runs: Sequence[RequestArrays], **kw) -> dict:
+    """`row` with `<name>_lo` and `<name>_hi` after each headline figure (keywords: stats.bootstrap_many's)."""
+    intervals = bootstrap_many(request_figures(runs), **kw)
+    # Throughput is a figure of a whole run: its interval comes from the seeds alone.
+    intervals["throughput"] = bootstrap_mean(np.array([[r["throughput"]] for r in seed_rows]), **kw)
+    out = {}
+    for key, value in row.items():
+        out[key] = value
+        if key in intervals:
+            out[f"{key}_lo"], out[f"{key}_hi"] = _bounds(value, intervals[key])
+    return out
+
+
+def _bounds(value: float, interval: Interval) -> tuple[float, float]:
+    """The interval around the row's own figure (the two agree up to rounding; the row's is the reported one)."""
+    if math.isnan(interval.lo):
+        return interval.lo, interval.hi
+    return min(interval.lo, value), max(interval.hi, value)
+
+
+def paired_differences(runs_a: Sequence[RequestArrays], runs_b: Sequence[RequestArrays], **kw) -> dict[str, Interval]:
+    """Cell A minus cell B for each PAIRED figure, on the same seeds and prompts, with paired intervals."""
+    a, b = request_figures(runs_a), request_figures(runs_b)
+    return differences({k: a[k] for k in PAIRED}, {k: b[k] for k in PAIRED}, **kw)

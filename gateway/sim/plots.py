@@ -1,10 +1,18 @@
-"""PNG pictures of the sweeps (matplotlib, no screen needed)."""
+"""PNG pictures of the sweeps (matplotlib, no screen needed).
+
+Every point carries its 95% interval from the row's `<figure>_lo` / `<figure>_hi`
+columns (error bars on points and bars, shaded bands on curves); a row
+without them (one seed of an older table) is drawn without.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 
 def require_matplotlib() -> None:
@@ -28,19 +36,59 @@ def _pyplot():
 COLOURS = {"routebalance": "tab:blue", "avengers": "tab:orange", "best_route": "tab:green",
            "passthrough": "tab:grey", "single_model": "tab:red"}
 MARKERS = {"routebalance": "o", "avengers": "s", "best_route": "^", "passthrough": "x", "single_model": "D"}
+STYLES = ("-", "--", ":", "-.")  # line styles of the series of one system
 
 
-def _by_system(rows):
+# ---- intervals -------------------------------------------------------------------------------
+
+def _bounds(row: dict, name: str) -> tuple[float, float]:
+    """The row's 95% interval of a figure; the figure itself at both ends when it has none."""
+    lo, hi = row.get(f"{name}_lo"), row.get(f"{name}_hi")
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return row[name], row[name]
+    return lo, hi
+
+
+def _err(rows: list[dict], name: str) -> np.ndarray:
+    """matplotlib's asymmetric error bars (2 x n: below, above) from the rows' intervals."""
+    spans = [(r[name] - lo, hi - r[name]) for r in rows for lo, hi in [_bounds(r, name)]]
+    return np.nan_to_num(np.array(spans, dtype=float).reshape(-1, 2).T)
+
+
+def _band(ax, rows: list[dict], x: str, y: str, colour, style: str = "-", label: str | None = None,
+          marker: str = "o") -> None:
+    """A curve of y against x with its interval shaded."""
+    rows = sorted(rows, key=lambda r: r[x])
+    xs = [r[x] for r in rows]
+    ax.plot(xs, [r[y] for r in rows], style, c=colour, marker=marker, label=label)
+    lows, highs = zip(*(_bounds(r, y) for r in rows), strict=True)
+    ax.fill_between(xs, lows, highs, color=colour, alpha=0.15, linewidth=0)
+
+
+def _log_scale(axis) -> None:
+    """A log axis labelled in plain seconds (2, 5, 10, 20) rather than powers of ten."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    set_scale = axis.axes.set_xscale if axis.axis_name == "x" else axis.axes.set_yscale
+    set_scale("log")
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _by(rows, key: str) -> dict:
     out = defaultdict(list)
     for r in rows:
-        out[r["system"]].append(r)
+        out[r[key]].append(r)
     return out
 
 
-def _scatter(ax, rows, x: str, y: str) -> None:
-    for system, rs in _by_system(rows).items():
-        ax.scatter([r[x] for r in rs], [r[y] for r in rs], c=COLOURS.get(system, "k"),
-                   marker=MARKERS.get(system, "."), label=system, alpha=0.8)
+def _scatter(ax, rows, x: str, y: str, legend: bool = True) -> None:
+    """Every row as a point with error bars in both directions, one colour and marker per system."""
+    for system, rs in _by(rows, "system").items():
+        ax.errorbar([r[x] for r in rs], [r[y] for r in rs], xerr=_err(rs, x), yerr=_err(rs, y), fmt=MARKERS.get(
+            system, "."), c=COLOURS.get(system, "k"), label=system if legend else None, alpha=0.8, capsize=2,
+            elinewidth=0.8, markersize=5)
 
 
 def _label_rb(ax, rows, x: str, y: str) -> None:
@@ -49,60 +97,131 @@ def _label_rb(ax, rows, x: str, y: str) -> None:
             ax.annotate(r["label"], (r[x], r[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")
 
 
-def frontier(rows: list[dict], out_dir: Path) -> list[Path]:
-    paths = []
-    at12 = [r for r in rows if r["rate"] == 12]
-    fig, axes = _pyplot().subplots(2, 2, figsize=(12, 9))
-    ax = axes[0][0]
-    _scatter(ax, at12, "e2e_mean", "quality")
-    _label_rb(ax, at12, "e2e_mean", "quality")
-    ax.set(xlabel="mean E2E (s)", ylabel="mean quality", title="(a) quality vs latency at 12 req/s")
-    ax.legend()
+# ---- the sweeps -------------------------------------------------------------------------------
 
-    ax = axes[0][1]
-    series = {("routebalance", "uniform"): "-", ("routebalance", "quality"): "--", ("routebalance", "cost"): ":"}
-    for (system, label), style in series.items():
-        rs = sorted((r for r in rows if r["system"] == system and r["label"] == label), key=lambda r: r["rate"])
-        ax.plot([r["rate"] for r in rs], [r["e2e_mean"] for r in rs], style, c=COLOURS[system],
-                marker="o", label=f"RouteBalance {label}")
-    for system in ("avengers", "best_route", "passthrough", "single_model"):
-        best = _peak_quality_label(rows, system)
-        rs = sorted((r for r in rows if r["system"] == system and r["label"] == best), key=lambda r: r["rate"])
-        ax.plot([r["rate"] for r in rs], [r["e2e_mean"] for r in rs], c=COLOURS[system],
-                marker=MARKERS[system], label=f"{system} {best} (its peak quality)")
-    ax.set_yscale("log")
-    ax.set(xlabel="offered load (req/s)", ylabel="mean E2E (s, log)", title="(b) latency under load")
-    ax.legend(fontsize=7)
+def frontier(rows: list[dict], out_dir: Path) -> list[Path]:
+    """(a, b) quality against latency with every system at the two full rates, (c) the load curve of the
+    headline cells, (d) quality against cost."""
+    fig, axes = _pyplot().subplots(2, 2, figsize=(13, 10))
+    full = _full_rates(rows)
+    for ax, rate, tag in zip(axes[0], full[:2], "ab", strict=False):
+        at = [r for r in rows if r["rate"] == rate]
+        _scatter(ax, at, "e2e_mean", "quality")
+        _label_rb(ax, at, "e2e_mean", "quality")
+        _log_scale(ax.xaxis)
+        ax.set(xlabel="mean E2E (s, log)", ylabel="mean quality", title=f"({tag}) quality vs latency at {rate:g} req/s")
+        ax.legend(fontsize=7)
 
     ax = axes[1][0]
-    _scatter(ax, rows, "throughput", "quality")
-    ax.set(xlabel="completed req/s", ylabel="mean quality", title="(c) quality vs throughput, all rates")
+    per_system: dict[str, int] = defaultdict(int)  # series drawn so far per system: the next line style
+    curves = _load_curves(rows)
+    for (system, label), rs in curves.items():
+        style = STYLES[per_system[system] % len(STYLES)]
+        per_system[system] += 1
+        _band(ax, rs, "rate", "e2e_mean", COLOURS.get(system, "k"), style, f"{system} {label}",
+              MARKERS.get(system, "o"))
+    _log_scale(ax.yaxis)
+    ax.set(xlabel="offered load (req/s)", ylabel="mean E2E (s, log)", title="(c) latency under load (95% bands)")
+    if curves:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)  # below: curves fill the axes
 
     ax = axes[1][1]
-    _scatter(ax, rows, "cost_mean", "quality")
-    ax.set(xlabel="mean cost per request (USD)", ylabel="mean quality", title="(d) quality vs cost, all rates")
+    at = [r for r in rows if r["rate"] == (full[0] if full else r["rate"])]
+    _scatter(ax, at, "cost_mean", "quality")
+    ax.set(xlabel="mean cost per request (USD)", ylabel="mean quality",
+           title=f"(d) quality vs cost at {full[0]:g} req/s" if full else "(d) quality vs cost")
     ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "frontier.png"))
-    return paths
+    return [_save(fig, out_dir / "frontier.png")]
 
 
-def _peak_quality_label(rows, system: str) -> str:
-    at12 = [r for r in rows if r["system"] == system and r["rate"] == 12] or [r for r in rows if r["system"] == system]
-    return max(at12, key=lambda r: r["quality"])["label"]
+def _full_rates(rows: list[dict]) -> list[float]:
+    """The rates at which the most cells ran (every system), lowest first."""
+    counts = {rate: len(rs) for rate, rs in _by(rows, "rate").items()}
+    most = max(counts.values())
+    return sorted(rate for rate, n in counts.items() if n == most)
+
+
+def _load_curves(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The cells run at three rates or more (the headline cells of the load curve)."""
+    series = defaultdict(list)
+    for r in rows:
+        series[r["system"], r["label"]].append(r)
+    return {key: rs for key, rs in series.items() if len(rs) >= 3}
 
 
 def by_rate(rows: list[dict], out_dir: Path, name: str, title: str) -> list[Path]:
-    """Mean E2E against offered load, one line per label (arms, batching)."""
-    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    for label in labels:
-        rs = sorted((r for r in rows if r["label"] == label), key=lambda r: r["rate"])
-        ax.plot([r["rate"] for r in rs], [r["e2e_mean"] for r in rs], marker="o", label=label)
-    ax.set(xlabel="offered load (req/s)", ylabel="mean E2E (s)", title=title)
-    ax.legend(fontsize=8)
+    """Mean E2E and quality against offered load, one banded line per label (arms, batching)."""
+    fig, axes = _pyplot().subplots(1, 2, figsize=(13, 4.8))
+    for k, (label, rs) in enumerate(_by(rows, "label").items()):
+        colour = f"C{k % 10}"
+        _band(axes[0], rs, "rate", "e2e_mean", colour, label=label)
+        _band(axes[1], rs, "rate", "quality", colour, label=label)
+    axes[0].set(xlabel="offered load (req/s)", ylabel="mean E2E (s)", title=f"{title}: latency")
+    axes[1].set(xlabel="offered load (req/s)", ylabel="mean quality", title=f"{title}: quality")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     return [_save(fig, out_dir / f"{name}.png")]
+
+
+def budget(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per budget share and arm: quality, cost, and how many budgets ran out (refused or cut short)."""
+    fig, axes = _pyplot().subplots(1, 3, figsize=(15, 4.6))
+    labels = _by(rows, "label")
+    for k, (label, rs) in enumerate(labels.items()):
+        rs = sorted(rs, key=lambda r: r["budget_share"])
+        shares = [r["budget_share"] + 0.006 * (k - (len(labels) - 1) / 2) for r in rs]  # side by side, not on top
+        colour = f"C{k % 10}"
+        for ax, figure in ((axes[0], "quality"), (axes[1], "cost_mean")):
+            ax.errorbar(shares, [r[figure] for r in rs], yerr=_err(rs, figure), c=colour, marker="o", capsize=3,
+                        label=label)
+        axes[2].errorbar(shares, [r["budget_exhaustion"] for r in rs], yerr=_err(rs, "budget_exhaustion"), c=colour,
+                         marker="o", capsize=3, label=f"{label}: exhausted")
+        axes[2].errorbar(shares, [r["refused"] for r in rs], yerr=_err(rs, "refused"), c=colour, marker="x",
+                         linestyle="--", capsize=3, label=f"{label}: refused")
+    axes[0].set(xlabel="share of requests with a budget", ylabel="mean quality", title="quality")
+    axes[1].set(xlabel="share of requests with a budget", ylabel="mean cost per request (USD)", title="cost")
+    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    axes[2].set(xlabel="share of requests with a budget", ylabel="share",
+                title="budget exhaustion: budgeted requests refused or cut short (solid),\n"
+                      "and refusals among all requests (dashed)")
+    axes[2].title.set_fontsize(10)
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=6)
+    fig.tight_layout()
+    return [_save(fig, out_dir / "budget.png")]
+
+
+def robustness(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Mean E2E and quality of each system under each arrival process, and with the 72B tier down."""
+    fig, axes = _pyplot().subplots(1, 2, figsize=(14, 5))
+    groups = list(dict.fromkeys(_condition(r) for r in rows))
+    systems = list(dict.fromkeys((r["system"], r["label"]) for r in rows))
+    width = 0.8 / len(systems)
+    for k, (system, label) in enumerate(systems):
+        rs = {_condition(r): r for r in rows if (r["system"], r["label"]) == (system, label)}
+        xs = [g + (k - (len(systems) - 1) / 2) * width for g, c in enumerate(groups) if c in rs]
+        present = [rs[c] for c in groups if c in rs]
+        for ax, figure in ((axes[0], "e2e_mean"), (axes[1], "quality")):
+            ax.bar(xs, [r[figure] for r in present], width, yerr=_err(present, figure), capsize=3,
+                   color=f"C{k % 10}", label=f"{system} {label}")
+    for ax, ylabel in ((axes[0], "mean E2E (s)"), (axes[1], "mean quality")):
+        ax.set_xticks(range(len(groups)), groups, fontsize=8)
+        ax.set(ylabel=ylabel)
+    axes[0].set(title="latency by arrival process (95% intervals)")
+    axes[1].set(title="quality by arrival process")
+    axes[1].set_ylim(bottom=min((r["quality"] for r in rows), default=0) * 0.9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(systems), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    return [_save(fig, out_dir / "robustness.png")]
+
+
+def _condition(row: dict) -> str:
+    """The arrival process, and which tiers were down, on two lines (x tick labels)."""
+    if not row.get("down"):
+        return row["arrivals"]
+    return f"{row['arrivals']}\n{', '.join(m.split('/')[-1] for m in row['down'].split(','))} down"
 
 
 def _save(fig, path: Path) -> Path:
@@ -120,4 +239,8 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
         return by_rate(rows, out_dir, name, "Isolation arms at uniform weights")
     if name == "batching":
         return by_rate(rows, out_dir, name, "Batching ablation at uniform weights")
-    return []  # budget and robustness are tables
+    if name == "budget":
+        return budget(rows, out_dir)
+    if name == "robustness":
+        return robustness(rows, out_dir)
+    return []

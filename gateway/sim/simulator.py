@@ -259,9 +259,10 @@ def _record(out: Outcome, seq) -> None:
     out.first_token = seq.first_token_time if seq.first_token_time is not None else math.nan
     out.finished = seq.finish_time
     out.completion_tokens = seq.generated
-    if out.budget_cut and out.label_tokens:
-        # A truncated answer is judged on what it says: in proportion to how much of it arrived.
-        out.quality *= min(1.0, seq.generated / out.label_tokens)
+    if out.budget_cut and seq.generated < out.label_tokens:
+        # An answer the budget cut short is an exhausted request: it scores nothing (no partial
+        # credit for the part that arrived), like a refused one.
+        out.quality = 0.0
 
 
 def _costed(outcomes: list[Outcome], prices_in, prices_out) -> list[Outcome]:

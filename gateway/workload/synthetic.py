@@ -71,16 +71,22 @@ class ModelProfile:
     # Mean answer length in tokens; must match gateway/engine/profiles.py mean_output_tokens
     # (the emulator's default when a prompt has no label).
     mean_output_tokens: float
+    # How much longer than its mean the model answers a hard prompt: x (1 + answer_hard * (d - 0.5)).
+    # The largest model explains its reasoning on exactly the prompts it is chosen for.
+    answer_hard: float = 0.0
 
 
 # Paper: always-3B 0.346, always-14B 0.398; 7B between, 72B above. A gain is the advantage at full
-# difficulty; the mean of kind_gap * ramp(d) over the workload is about 0.49, so the mean gaps over
-# 3B come out near 0.025 / 0.052 / 0.069 (a little less after clipping scores to [0, 1]).
+# difficulty; the mean of kind_gap * ramp(d) over the workload is about 0.49. The 72B's gain is
+# smaller than its size suggests: its wide topic spread (AFFINITY_SCALE) lifts its mean once scores
+# are clipped to [0, 1]. Answer lengths: the 72B is the slow tier per request (~195 tokens at
+# 47.4 ms/token, longer on the hard prompts it is chosen for), the 14B the concise one. These and
+# the tiers' batch slopes (engine/profiles.py) were tuned with `routebalance calibrate`.
 MODELS = {
-    "Qwen/Qwen2.5-3B-Instruct": ModelProfile(gain=0.0, mean_output_tokens=190),
-    "Qwen/Qwen2.5-7B-Instruct": ModelProfile(gain=0.054, mean_output_tokens=165),
-    "Qwen/Qwen2.5-14B-Instruct": ModelProfile(gain=0.122, mean_output_tokens=130),
-    "Qwen/Qwen2.5-72B-Instruct": ModelProfile(gain=0.158, mean_output_tokens=45),
+    "Qwen/Qwen2.5-3B-Instruct": ModelProfile(gain=0.0, mean_output_tokens=155),
+    "Qwen/Qwen2.5-7B-Instruct": ModelProfile(gain=0.07, mean_output_tokens=145),
+    "Qwen/Qwen2.5-14B-Instruct": ModelProfile(gain=0.122, mean_output_tokens=87),
+    "Qwen/Qwen2.5-72B-Instruct": ModelProfile(gain=0.07, mean_output_tokens=185, answer_hard=2.0),
 }
 
 
@@ -130,6 +136,12 @@ TOPIC_SHIFT_SD = 0.04  # topic-level quality shift shared by all models
 # embedding space share topic and, less reliably, level, so these are what KNN can learn.
 AFFINITY_SD = 0.12
 LEVEL_AFFINITY_SD = 0.10
+# Per pool model, how far its topic rankings stray. The 72B's stray far: on some topics it is far
+# ahead of every other model, on others no better than the 14B. That is what makes the quality
+# preset send it a fifth of the traffic (paper: "concentrating on 72B") while its mean stays
+# only a little above the 14B's; the smaller models' small spread keeps the best model only
+# partly predictable.
+AFFINITY_SCALE = (0.6, 0.6, 0.6, 5.5)
 
 # Answer lengths (log-normal): per-prompt factor shared across models, per-model factor, and a
 # topic factor from the world table. The kind's `answer` and the difficulty scale the mean.
@@ -169,7 +181,7 @@ def _build_world() -> dict[tuple[str, str], TopicTraits]:
             rng = _world_rng(kind, topic)
             shift, answer = rng.normal(0, 1, 2)
             affinity = (rng.normal(0, AFFINITY_SD, len(POOL_MODELS))
-                        + rng.normal(0, LEVEL_AFFINITY_SD, (3, len(POOL_MODELS))))
+                        + rng.normal(0, LEVEL_AFFINITY_SD, (3, len(POOL_MODELS)))) * np.array(AFFINITY_SCALE)
             traits[kind, topic] = (shift * TOPIC_SHIFT_SD, affinity, answer * ANSWER_TOPIC_SIGMA)
     # Centre the topic tables (weighted by how often each topic occurs), so they move prompts
     # around without moving the per-model means that the paper pins down.
@@ -242,12 +254,20 @@ def _labels(rng: np.random.Generator, latent: Latent, models: Sequence[str]) -> 
         i = POOL_MODELS.index(name)
         profile = MODELS[name]
         q = everyone + (profile.gain * kind.gap + world.affinity[latent.level, i]) * ramp(d) + spread * own[i]
-        length = profile.mean_output_tokens * answer * math.exp(ANSWER_OWN_SIGMA * own_len[i])
+        length = (profile.mean_output_tokens * answer * (1 + profile.answer_hard * (d - 0.5))
+                  * math.exp(ANSWER_OWN_SIGMA * own_len[i]))
         labels[name] = ModelLabel(
             score=round(float(min(max(q, 0.0), 1.0)), 4),
             output_length=int(min(max(round(length), 1), MAX_OUTPUT_TOKENS)),
         )
     return labels
+
+
+def _binarised(rng: np.random.Generator, labels: dict[str, ModelLabel]) -> dict[str, ModelLabel]:
+    """0/1 scores with P(1) = the graded score; one draw per pool model whatever subset is labelled."""
+    draws = dict(zip(POOL_MODELS, rng.random(len(POOL_MODELS)), strict=True))
+    return {m: ModelLabel(score=float(draws[m] < lab.score), output_length=lab.output_length)
+            for m, lab in labels.items()}
 
 
 def latents(n: int = PAPER_SIZE, seed: int = 0) -> list[Latent]:
@@ -258,8 +278,13 @@ def latents(n: int = PAPER_SIZE, seed: int = 0) -> list[Latent]:
     return [_draw_latent(np.random.default_rng((seed, i, 0)))[0] for i in range(n)]
 
 
-def generate(n: int = PAPER_SIZE, seed: int = 0, models: Sequence[str] = POOL_MODELS) -> list[Record]:
-    """n labelled records, deterministic for (n, seed); generate(n) is a prefix of generate(m > n)."""
+def generate(n: int = PAPER_SIZE, seed: int = 0, models: Sequence[str] = POOL_MODELS,
+             binary: bool = False) -> list[Record]:
+    """n labelled records, deterministic for (n, seed); generate(n) is a prefix of generate(m > n).
+
+    binary: each score becomes a 0/1 judgement drawn with the graded score as its probability
+    (correct or not, as many real data sets label answers); same prompts, same lengths.
+    """
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         raise ValueError(f"no synthetic calibration for {unknown}; known: {list(MODELS)}")
@@ -271,6 +296,8 @@ def generate(n: int = PAPER_SIZE, seed: int = 0, models: Sequence[str] = POOL_MO
         prompt = _write_prompt(Dice(text_rng), latent, target, seen)
         seen.add(prompt)
         labels = _labels(np.random.default_rng((seed, i, 1)), latent, models)
+        if binary:
+            labels = _binarised(np.random.default_rng((seed, i, 2)), labels)
         records.append(Record(
             id=prompt_key(prompt), prompt=prompt, kind=latent.kind,
             input_len=estimate_tokens(prompt), models=labels,

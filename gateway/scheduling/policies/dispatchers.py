@@ -4,6 +4,10 @@ Each dispatcher ranks a list of usable instance indices, chosen first, so the
 shell can retry on the next one. `rank` only reads the view (the pipeline
 applies the dead reckoning); `chose` tells the dispatcher which instance
 actually got the request, for the one dispatcher that keeps turns.
+
+Instances that tie on a dispatcher's keys are ordered at random, from a
+generator seeded once: breaking ties by index would herd every tie (an idle
+pool, a fresh start) onto the lowest-numbered instance of each model.
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ class Dispatcher(Protocol):
         ...
 
 
+def _ranked(usable: Sequence[int], rng: np.random.Generator, *keys: np.ndarray) -> list[int]:
+    """`usable` sorted by `keys` (the first is the primary), ties in a random order."""
+    if len(usable) < 2:
+        return list(usable)
+    tie = rng.random(len(usable))
+    order = np.lexsort((tie, *reversed(keys)))  # lexsort's last key is the primary one
+    return [usable[k] for k in order]
+
+
 class RoundRobin:
     """Least recently chosen first: plain round robin over any fixed set of instances.
 
@@ -35,17 +48,19 @@ class RoundRobin:
     different models interleave and pin each model to one instance (A, B, A, B
     over two 2-instance models lands every A on the same replica); stamping
     each instance with the turn it was last chosen cycles every model's
-    replicas independently, whatever the mix.
+    replicas independently, whatever the mix. Instances never chosen tie, and
+    start in a seeded random order.
     """
 
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self._turn = 0
         self._last: dict[int, int] = {}  # instance index -> turn it was last chosen
+        self._rng = np.random.default_rng(seed)
 
     def rank(self, usable: Sequence[int], view: PoolView) -> list[int]:
-        return sorted(usable, key=lambda i: (self._last.get(i, -1), i))
+        return _ranked(usable, self._rng, np.array([self._last.get(i, -1) for i in usable]))
 
     def chose(self, i: int) -> None:
         self._last[i] = self._turn
@@ -53,13 +68,17 @@ class RoundRobin:
 
 
 class ShortestQueue:
-    """Fewest requests on the instance; ties to the emptiest relative to its slots, then the lowest index."""
+    """Fewest requests on the instance; ties to the emptiest relative to its slots, then at random."""
 
     name = "shortest_queue"
 
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+
     def rank(self, usable: Sequence[int], view: PoolView) -> list[int]:
-        active = view.active
-        return sorted(usable, key=lambda i: (active[i], active[i] / view.max_num_seqs[i], i))
+        idx = np.asarray(usable, dtype=np.int64)
+        active = view.active[idx]
+        return _ranked(usable, self._rng, active, active / view.max_num_seqs[idx])
 
     def chose(self, i: int) -> None:
         pass  # the queue lengths come from the view, which the pipeline updates

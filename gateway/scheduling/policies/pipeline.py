@@ -4,33 +4,33 @@ The baselines run inside the same batching, telemetry and dispatch path as
 RouteBalance; only these two steps differ. Eq. 1 and the budget filter are
 bypassed: a pipeline never refuses, and relies on the budget clamp that the
 loop's dispatch plans apply to every request.
+
+This module registers the passthrough router with each dispatcher and owns
+`[policies.pipeline]`, what every pipeline's dispatcher reads. A learned
+router registers its own `<router>+<dispatcher>` policies with `entries` and
+owns its own table (avengers.py, best_route.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from gateway.config_schema import Section, option, section
-from gateway.scheduling.budget import per_token, predicted_cost
+from gateway.config_schema import Section, section
+from gateway.scheduling.budget import predicted_cost
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
 from gateway.scheduling.policies.dispatchers import Dispatcher, Random, RoundRobin, ShortestQueue
-from gateway.scheduling.policies.routers import Avengers, BestRoute, Passthrough, Router
+from gateway.scheduling.policies.routers import Passthrough, Router
 from gateway.scheduling.request import Decision, Estimates, RouteRequest
 from gateway.scheduling.view import PoolView
 
-ROUTERS = ("passthrough", "avengers", "best_route")
 DISPATCHERS = ("round_robin", "shortest_queue", "random")
 
 
 @section
 class PipelineOptions(Section):
-    """[policies.pipeline]: Avengers-Pro's performance weight and number of
-    embedding clusters, BEST-Route's quality-gap threshold, and the seed of the
-    random dispatcher and of the clustering."""
+    """[policies.pipeline]: the seed of the random dispatcher and of every dispatcher's tie-breaks."""
 
-    avengers_performance_weight: float = option(0.7, ge=0, le=1)
-    avengers_clusters: int = option(64, ge=1)
-    best_route_threshold: float = option(0.02, ge=0)
     seed: int = 0
 
 
@@ -69,37 +69,32 @@ class PipelinePolicy(Policy):
             view.dispatched(best, tokens, req.input_tokens)
         return decisions
 
-
-def make_router(name: str, context: PolicyContext) -> Router:
-    knobs = context.options("pipeline")
-    if name == "passthrough":
-        return Passthrough()
-    if name == "best_route":
-        return BestRoute(knobs.best_route_threshold)
-    if context.estimators is None:
-        raise ValueError("avengers needs the KNN estimator, which is not built: run `routebalance train`")
-    prices_out = {i.model: per_token(i.price_output_per_mtok) for i in context.config.instances}
-    return Avengers(context.estimators.knn, prices_out, knobs.avengers_performance_weight, knobs.avengers_clusters,
-                    knobs.seed)
+    def compute_s(self, batch_size: int, cost: Any) -> float:
+        return self.router.compute_s(batch_size)
 
 
 def make_dispatcher(name: str, context: PolicyContext) -> Dispatcher:
+    seed = context.options("pipeline").seed
     if name == "round_robin":
-        return RoundRobin()
+        return RoundRobin(seed)
     if name == "shortest_queue":
-        return ShortestQueue()
-    return Random(context.options("pipeline").seed)
+        return ShortestQueue(seed)
+    return Random(seed)
 
 
-def _entry(router: str, dispatcher: str) -> PolicyEntry:
-    def build(context: PolicyContext) -> PipelinePolicy:
-        return PipelinePolicy(make_router(router, context), make_dispatcher(dispatcher, context))
+def entries(router: str, make_router: Callable[[PolicyContext], Router], what: str,
+            needs_estimates: bool = True) -> tuple[PolicyEntry, ...]:
+    """`<router>+<dispatcher>` for every dispatcher; `make_router` builds a new router for each policy object."""
 
-    what = {"passthrough": "no model choice", "avengers": "Avengers-Pro-style cluster ranking picks the model",
-            "best_route": "BEST-Route-style cheapest model near the best picks the model"}[router]
-    return PolicyEntry(f"{router}+{dispatcher}", build, f"baseline: {what}, then {dispatcher.replace('_', ' ')}",
-                       needs_estimates=router != "passthrough")
+    def entry(dispatcher: str) -> PolicyEntry:
+        def build(context: PolicyContext) -> PipelinePolicy:
+            return PipelinePolicy(make_router(context), make_dispatcher(dispatcher, context))
+
+        return PolicyEntry(f"{router}+{dispatcher}", build,
+                           f"baseline: {what}, then {dispatcher.replace('_', ' ')}", needs_estimates=needs_estimates)
+
+    return tuple(entry(d) for d in DISPATCHERS)
 
 
 OPTIONS = {"pipeline": PipelineOptions}
-ENTRIES = tuple(_entry(r, d) for r in ROUTERS for d in DISPATCHERS)
+ENTRIES = entries("passthrough", lambda context: Passthrough(), "no model choice", needs_estimates=False)

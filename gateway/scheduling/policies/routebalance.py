@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from gateway.scheduling.assign import RouteBalanceOptions, TpotFn, assign_batch
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
 from gateway.scheduling.request import Decision, Estimates, RouteRequest
@@ -18,11 +20,12 @@ class RouteBalance(Policy):
     def __init__(self, options: RouteBalanceOptions, tpot: TpotFn | None):
         self.options = options
         self.tpot = tpot  # the TPOT heads; None falls back to the static prior
+        self.rng = np.random.default_rng(options.seed)  # breaks exact ties: a run repeats, load spreads
 
     def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
         if estimates is None:
             raise ValueError("routebalance needs the batch's estimates")
-        return assign_batch(batch, estimates, view, self.options, self.tpot)
+        return assign_batch(batch, estimates, view, self.options, self.tpot, self.rng)
 
     def compute_s(self, batch_size: int, cost: Any) -> float:
         return cost.score_s(batch_size, self.options.uses_heads)
