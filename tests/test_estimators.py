@@ -118,3 +118,18 @@ def test_missing_or_corrupt_artefacts_are_named(built, tmp_path, victim):
         f.write(b"garbage!")
     with pytest.raises(ArtefactError, match=victim):
         Estimators.load(broken)
+
+
+def test_shrinkage_prior_is_not_thrown_by_duplicate_prompts():
+    """A training set where every prompt appears twice: each neighbourhood is dominated by the twin,
+    which says nothing about label noise; the fit must not divide by n_eff - 1 near 0."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    quality = rng.random((300, 2)).astype(np.float32)  # pure noise, variance 1/12
+    single = KnnEstimator.build(x, quality, np.ones_like(quality), ("a", "b")).prior
+    twice = KnnEstimator.build(np.vstack([x, x]), np.vstack([quality, quality]), np.ones((600, 2)), ("a", "b")).prior
+    assert np.all(single.noise_var == pytest.approx(1 / 12, rel=0.25))
+    assert np.all(np.isfinite(twice.noise_var)) and np.all(twice.noise_var < 0.2)
+    # No signal in the labels: estimates stay near each model's prior mean.
+    assert np.all(single.signal_var < 0.1 * single.noise_var)

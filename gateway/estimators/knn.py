@@ -51,12 +51,17 @@ class ShrinkagePrior:
         return self.mean + keep * (raw - self.mean)
 
     @classmethod
+    def trusting(cls, mean: np.ndarray) -> ShrinkagePrior:
+        """No shrinkage: every estimate is its raw neighbour mean."""
+        return cls(mean, np.zeros_like(mean), np.ones_like(mean))
+
+    @classmethod
     def fit(cls, index: faiss.Index, quality: np.ndarray, k: int, sample: int = 4000, seed: int = 0) -> ShrinkagePrior:
         """Method of moments on up to `sample` training prompts, each against its k nearest others."""
         n = index.ntotal
         mean = quality.mean(axis=0).astype(np.float64)
         if n <= k + 1:  # too few prompts to tell noise from signal: trust the neighbours as they are
-            return cls(mean, np.zeros_like(mean), np.ones_like(mean))
+            return cls.trusting(mean)
         rows = np.random.default_rng(seed).choice(n, size=min(sample, n), replace=False)
         queries = index.reconstruct_batch(rows)
         sims, idx = index.search(queries, k + 1)
@@ -70,9 +75,13 @@ class ShrinkagePrior:
         labels = quality[idx].astype(np.float64)  # (s, k, models)
         local = np.einsum("sk,skm->sm", w, labels)
         n_eff = 1.0 / (w**2).sum(axis=1)
-        # Weighted within-neighbourhood variance, corrected for the weighted sample size.
+        # Weighted within-neighbourhood variance, corrected for the weighted sample size. A neighbourhood
+        # that one near-duplicate dominates (n_eff near 1) says nothing about the spread within it.
         within = np.einsum("sk,skm->sm", w, (labels - local[:, None, :]) ** 2)
-        noise_var = (within * (n_eff / np.maximum(n_eff - 1, 1e-9))[:, None]).mean(axis=0)
+        spread = n_eff > 1.5
+        if not spread.any():
+            return cls.trusting(mean)
+        noise_var = (within[spread] * (n_eff[spread] / (n_eff[spread] - 1))[:, None]).mean(axis=0)
         signal_var = local.var(axis=0) - (noise_var[None, :] / n_eff[:, None]).mean(axis=0)
         floor = 1e-4 * quality.var(axis=0).astype(np.float64) + 1e-12  # no signal at all: nearly the prior
         return cls(mean, noise_var, np.maximum(signal_var, floor))
