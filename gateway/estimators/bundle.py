@@ -26,9 +26,9 @@ class Estimators:
 
     @classmethod
     def built(cls, config) -> Estimators:
-        """The config's estimators, built first if they are missing, stale or corrupt (about 30 s)."""
-        log.info("checking the estimator artefacts in %s (a first build takes about a minute)",
-                 config.estimators.models_dir)
+        """The config's estimators, built first if they are missing, stale or corrupt (minutes)."""
+        log.info("checking the estimator artefacts in %s (a first build of the paper-size index takes about "
+                 "4 minutes on 2 cores)", config.estimators.models_dir)
         ensure_built(config)
         return cls.load(config)
 
