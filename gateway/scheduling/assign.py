@@ -192,7 +192,7 @@ def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: 
 def refusal(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
             use_filter: bool, n: int = 1) -> Refusal:
     least = float(predicted_cost(input_tokens, n, price_in, price_out).min()) if len(price_in) else 0.0
-    if least <= budget and use_filter:
+    if use_filter and within_budget(least, budget):  # the prompt was payable: the predicted answer was not
         return Refusal(402, f"the budget of {budget:.8f} USD is below the predicted cost of this request "
                             f"({input_tokens} prompt tokens and the predicted answer) on every candidate instance; "
                             f"the cheapest is predicted at {float(cost.min()):.8f} USD",

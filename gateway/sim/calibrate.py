@@ -5,7 +5,7 @@ The targets are the paper's own figures (routebalance.txt section 6; DESIGN.md
 Each is a cell of the simulator (the same scheduling loop, estimators and engine
 model as everything else) and a figure of that cell; a latency or quality
 figure must land within 15% of the paper's, a tier share within 5 points, a
-range inside it. The table printed is target against achieved.
+range within those tolerances of its ends. The table printed is target against achieved.
 
 The world was tuned to these numbers through the synthetic workload's answer
 lengths and quality gains (gateway/workload/synthetic.py) and each tier's batch

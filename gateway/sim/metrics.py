@@ -85,7 +85,7 @@ class RequestArrays:
     NaN marks a figure a request does not have (no E2E when refused, no TTFT without a first token).
     """
 
-    quality: np.ndarray  # judged quality of what was served (0 if refused)
+    quality: np.ndarray  # judged quality of what was served (0 if refused or cut short by its budget)
     e2e: np.ndarray  # s, arrival to last token
     ttft: np.ndarray  # s, arrival to first token
     cost: np.ndarray  # USD

@@ -65,7 +65,6 @@ class Outcome:
     finished: float = math.nan
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    label_tokens: int = 0  # the whole answer the model would give
     quality: float = 0.0  # judged quality of what was served
     cost_usd: float = 0.0
     budget_usd: float | None = None
@@ -188,7 +187,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             core.dispatched(ticket, plan, t)
             i = plan.instance
             label = int(ev.label_length[rid, i])
-            out.instance, out.dispatched, out.label_tokens = i, t, label
+            out.instance, out.dispatched = i, t
             out.quality = float(ev.label_score[rid, i])
             out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, spec.max_tokens)
             seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
@@ -259,7 +258,7 @@ def _record(out: Outcome, seq) -> None:
     out.first_token = seq.first_token_time if seq.first_token_time is not None else math.nan
     out.finished = seq.finish_time
     out.completion_tokens = seq.generated
-    if out.budget_cut and seq.generated < out.label_tokens:
+    if out.budget_cut:
         # An answer the budget cut short is an exhausted request: it scores nothing (no partial
         # credit for the part that arrived), like a refused one.
         out.quality = 0.0

@@ -3,7 +3,7 @@
 A sweep runs every cell on arrival seeds 0..S-1. For one figure of one cell
 the per-request values form a (seeds x requests) array: row s is the run on
 seed s, column i the i-th held-out prompt, the same prompt in every row (the
-seed changes the arrivals and the seeded choices, not the prompts). NaN marks
+seed changes the arrivals and which requests carry a budget, not the prompts). NaN marks
 a request that does not count for the figure (a refused request has no E2E,
 a request without a budget no budget outcome). A figure known only per run
 (throughput) is a (seeds x 1) array.

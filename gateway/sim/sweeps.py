@@ -8,9 +8,11 @@ written as CSV and JSON with 95% intervals, and paired comparisons of chosen cel
     routebalance sim --sweep robustness        # tier loss, gamma-bursty and square-wave arrivals
 
 A cell is (system, knobs, arrival process). Every cell runs on seeds
-0..S-1: the seed changes the arrival times and every seeded choice (which
-requests carry a budget, random dispatch), never the prompts, and every cell
-of a sweep replays the same prompts on the same seeds. A cell's row holds
+0..S-1: the seed changes the arrival times and which requests carry a
+budget, never the prompts, and every cell of a sweep replays the same prompts
+on the same seeds. The policies' own random choices (tie-breaks, random
+dispatch, k-means) keep their config seeds, so the intervals are over
+arrivals and prompts, not over those. A cell's row holds
 each figure's mean over its seeds and, for the headline figures, a 95%
 bootstrap interval over seeds and requests (stats.py). Because two cells on
 one seed see the same prompts at the same times, a declared pair of cells is

@@ -68,12 +68,17 @@ PAPER_SIZE = 18608  # prompts in the authors' released estimator dataset
 class ModelProfile:
     # Mean quality gain over the 3B model on a prompt of full difficulty (before the kind's weight).
     gain: float
-    # Mean answer length in tokens; must match gateway/engine/profiles.py mean_output_tokens
-    # (the emulator's default when a prompt has no label).
+    # Answer length in tokens before the prompt's factors; gateway/engine/profiles.py's
+    # mean_output_tokens (the emulator's default when a prompt has no label) is the measured mean.
     mean_output_tokens: float
-    # How much longer than its mean the model answers a hard prompt: x (1 + answer_hard * (d - 0.5)).
-    # The largest model explains its reasoning on exactly the prompts it is chosen for.
+    # How much longer than its mean the model answers a hard prompt: x (1 + answer_hard * (d - 0.5)),
+    # at most 2 (at 2 the factor runs from 0 to 2 with d). The largest model explains its reasoning
+    # on exactly the prompts it is chosen for, and answers its easiest ones in a few tokens.
     answer_hard: float = 0.0
+
+    def __post_init__(self):
+        if not 0 <= self.answer_hard <= 2:
+            raise ValueError("answer_hard must be in [0, 2]: above 2 an easy prompt's length would go negative")
 
 
 # Paper: always-3B 0.346, always-14B 0.398; 7B between, 72B above. A gain is the advantage at full
@@ -142,6 +147,7 @@ LEVEL_AFFINITY_SD = 0.10
 # only a little above the 14B's; the smaller models' small spread keeps the best model only
 # partly predictable.
 AFFINITY_SCALE = (0.6, 0.6, 0.6, 5.5)
+assert len(AFFINITY_SCALE) == len(POOL_MODELS)
 
 # Answer lengths (log-normal): per-prompt factor shared across models, per-model factor, and a
 # topic factor from the world table. The kind's `answer` and the difficulty scale the mean.
@@ -149,8 +155,9 @@ ANSWER_SHARED_SIGMA = 0.55
 ANSWER_OWN_SIGMA = 0.35
 ANSWER_TOPIC_SIGMA = 0.25
 ANSWER_DIFFICULTY = (0.7, 0.6)  # x (0.7 + 0.6 d): hard prompts get longer answers
-# Divides out the mean of the multiplicative factors and the cap so each model's overall mean
-# lands on its mean_output_tokens (measured on generate(18608)).
+# Divides out the mean of the multiplicative factors and the cap so a model's overall mean lands
+# near its mean_output_tokens (measured on generate(18608); the 72B's answer_hard moves its mean
+# up, to about 190 tokens).
 ANSWER_NORMALISER = 1.195
 
 
