@@ -93,8 +93,8 @@ def test_quality_preset_picks_beat_the_best_single_model_on_held_out_prompts(bui
     # The build's index holds the training prompts' embeddings in order: the same prompts, relabelled.
     knn = KnnEstimator.build(est.knn.index.reconstruct_n(0, est.knn.index.ntotal), quality, length, models)
     truth, _ = label_arrays(held, models)
-    shrunk = preset_quality(knn.estimate(held_out_vectors), truth, held, cfg.instances)
-    raw = preset_quality(knn.estimate(held_out_vectors, shrink=False), truth, held, cfg.instances)
+    shrunk = preset_quality(knn.estimate(held_out_vectors), truth, held, cfg)
+    raw = preset_quality(knn.estimate(held_out_vectors, shrink=False), truth, held, cfg)
     best_single = truth.mean(axis=0).max()
     assert shrunk >= best_single + 0.01
     if binary:

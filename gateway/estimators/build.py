@@ -39,7 +39,6 @@ import importlib.metadata
 import logging
 import platform
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,7 +188,7 @@ def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.nda
     return quality, length
 
 
-def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], instances: Sequence[Instance]) -> dict:
+def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], config) -> dict:
     """Held-out accuracy: best-model hit rate vs random, realised quality, length MAE, and the labels
     of the quality preset's picks against the best single model, with the estimates shrunk (as served)
     and raw (the paper's neighbour means)."""
@@ -209,23 +208,22 @@ def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], instan
         "quality_always": {m: float(quality[:, j].mean()) for j, m in enumerate(knn.models)},
         "length_mae": {m: float(np.abs(est.length[:, j] - length[:, j]).mean()) for j, m in enumerate(knn.models)},
         "length_mean": {m: float(length[:, j].mean()) for j, m in enumerate(knn.models)},
-        "quality_preset_picks": preset_quality(est, quality, test, instances),
-        "quality_preset_picks_raw": preset_quality(knn.estimate(vectors, shrink=False), quality, test, instances),
+        "quality_preset_picks": preset_quality(est, quality, test, config),
+        "quality_preset_picks_raw": preset_quality(knn.estimate(vectors, shrink=False), quality, test, config),
         "best_single_model": float(quality.mean(axis=0).max()),
     }
 
 
-QUALITY_PRESET = (0.8, 0.1, 0.1)  # (quality, latency, cost), as config.toml's quality preset
-
-
-def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], instances: Sequence[Instance],
-                   weights: tuple[float, float, float] = QUALITY_PRESET) -> float | None:
-    """Mean label of the models Eq. 1 picks per prompt on an idle pool (latency: the tier's static
-    prior x predicted length), over the models that have an instance; None if none has."""
-    first = {i.model: i for i in reversed(instances)}
+def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], config) -> float | None:
+    """Mean label of the models Eq. 1 picks per prompt at the config's `quality` preset (always there:
+    presets merge over the defaults) on an idle pool (latency: the tier's static prior x predicted
+    length), over the models the pool has; None if the pool has none of the labelled models."""
+    first = {i.model: i for i in reversed(config.instances)}
     cols = [j for j, m in enumerate(est.models) if m in first]
     if not cols:
         return None
+    preset = config.weights("quality")
+    weights = (preset.quality, preset.latency, preset.cost)
     pool = [first[est.models[j]] for j in cols]
     price_in = np.array([per_token(i.price_input_per_mtok) for i in pool])
     price_out = np.array([per_token(i.price_output_per_mtok) for i in pool])
@@ -330,7 +328,7 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=())
         "knn": {**knn_files, "models": list(models), "train_prompts": len(train_set)},
         "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
         "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
-        "report": {"knn": knn_report(knn, embedder, test_set, config.instances), "heads": {},
+        "report": {"knn": knn_report(knn, embedder, test_set, config), "heads": {},
                    "embed_train_s": embed_s},
     }
     add_heads(manifest, [t for t in inputs.tiers if t.buildable], records, inputs.seed, out_dir)

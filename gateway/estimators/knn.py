@@ -121,6 +121,8 @@ class KnnEstimator:
         if self.input_tokens.shape != (index.ntotal,):
             raise ValueError(f"input_tokens {self.input_tokens.shape} do not match index of {index.ntotal}")
         self.prior = prior if prior is not None else ShrinkagePrior.fit(index, self.quality, self.k)
+        if any(np.shape(v) != (len(models),) for v in (self.prior.mean, self.prior.noise_var, self.prior.signal_var)):
+            raise ValueError(f"shrinkage prior does not match the {len(models)} models")
 
     @classmethod
     def build(cls, embeddings: np.ndarray, quality: np.ndarray, length: np.ndarray, models, k: int = K,
