@@ -42,6 +42,7 @@ __all__ = [
     "Health",
     "Instance",
     "Scheduler",
+    "Slo",
     "Server",
     "State",
     "Telemetry",
@@ -157,6 +158,8 @@ class ApiKey(Section):
     requests_per_minute: int | None = option(None, ge=1)
     models: tuple[str, ...] = ()  # models or aliases it may name; empty: all
     presets: tuple[str, ...] = ()  # presets it may ask for; empty: all
+    slo_s: float | None = option(None, gt=0)  # end-to-end SLO of its requests that name none
+    tpot_slo_ms: float | None = option(None, gt=0)  # time-per-output-token bound of its requests that name none
 
     def _validate(self) -> None:
         if not _SHA256.fullmatch(self.sha256):
@@ -240,6 +243,33 @@ class BatchRule(Section):
     below: float = option(gt=0)
     size: int = option(ge=1)
     window_ms: float = option(ge=0)
+
+
+DEFAULT_SLO_CLASSES: Mapping[str, float] = types.MappingProxyType({"interactive": 30.0, "batch": 600.0})
+
+
+@section
+class Slo(Section):
+    """Service-level objectives: the defaults of requests that name none, and the classes they are counted in."""
+
+    # End-to-end SLO (seconds) of a request that names none (and whose key has none), per preset;
+    # a preset not listed gives no SLO.
+    presets: Mapping[str, float] = option(factory=lambda: types.MappingProxyType({}))
+    # Name -> the longest SLO (seconds) in the class; a request falls in the tightest class that
+    # holds its SLO (the loosest if longer than all). Metrics and reports count attainment per class.
+    classes: Mapping[str, float] = option(factory=lambda: DEFAULT_SLO_CLASSES)
+    # Longer SLOs are refused with 400: a unit mistake (milliseconds for seconds), not a wish.
+    max_s: float = option(86400.0, gt=0)
+
+    def _validate(self) -> None:
+        if not self.classes:
+            raise ConfigError("at least one class is required", "classes")
+        for name, bound in self.classes.items():
+            if not bound > 0:
+                raise ConfigError(f"must be > 0, got {bound!r}", f"classes.{name}")
+        for name, slo in self.presets.items():
+            if not 0 < slo <= self.max_s:
+                raise ConfigError(f"must be > 0 and <= max_s ({self.max_s:g}), got {slo!r}", f"presets.{name}")
 
 
 @section
@@ -362,6 +392,7 @@ class Config(Section):
     auth: Auth = Auth()
     state: State = State()
     scheduler: Scheduler = option(factory=Scheduler)
+    slo: Slo = option(factory=Slo)
     batching: Batching = Batching()
     telemetry: Telemetry = Telemetry()
     estimators: Estimators = Estimators()
@@ -399,6 +430,11 @@ class Config(Section):
             for j, preset in enumerate(key.presets):
                 if preset not in self.scheduler.presets:
                     raise ConfigError(f"unknown preset {preset!r}", f"auth.keys[{i}].presets[{j}]")
+            if key.slo_s is not None and key.slo_s > self.slo.max_s:
+                raise ConfigError(f"must be <= slo.max_s ({self.slo.max_s:g})", f"auth.keys[{i}].slo_s")
+        for preset in self.slo.presets:
+            if preset not in self.scheduler.presets:
+                raise ConfigError(f"unknown preset {preset!r}", f"slo.presets.{preset}")
 
     def models(self) -> tuple[str, ...]:
         """Distinct served model names, in order of first appearance."""

@@ -54,6 +54,11 @@ class GatewayMetrics:
         self.predicted_latency = Histogram("routebalance_predicted_latency_seconds",
                                            "Predicted end-to-end latency on the chosen instance",
                                            buckets=LATENCY_BUCKETS, registry=r)
+        # SLO attainment: result is met, missed (served late, or failed) or refused (never served).
+        self.slo = Counter("routebalance_slo_requests", "Requests with an end-to-end SLO, by policy, SLO class "
+                           "and result", ("policy", "slo_class", "result"), registry=r)
+        self.tpot_slo = Counter("routebalance_tpot_slo_requests", "Requests with a time-per-output-token bound, "
+                                "by policy and result", ("policy", "result"), registry=r)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 

@@ -77,12 +77,16 @@ class Costing:
     count: Callable[[str], int] = estimate_tokens  # answer text -> tokens, for an instance that reports no usage
     max_answer_bytes: int = 16 << 20
     inline_chars: int = 16384  # longer text is counted in a worker thread, off the event loop
+    # Adds the gateway's own fields (whether the SLO was met) to each usage object the client gets:
+    # (usage, completion tokens so far) -> None.
+    annotate: Callable[[dict, int], None] | None = None
 
     @classmethod
     def for_instance(cls, instance, prompt_tokens: int = 0, count: Callable[[str], int] = estimate_tokens,
-                     max_answer_bytes: int = 16 << 20, inline_chars: int = 16384) -> Costing:
+                     max_answer_bytes: int = 16 << 20, inline_chars: int = 16384,
+                     annotate: Callable[[dict, int], None] | None = None) -> Costing:
         return cls(per_token(instance.price_input_per_mtok), per_token(instance.price_output_per_mtok),
-                   prompt_tokens, count, max_answer_bytes, inline_chars)
+                   prompt_tokens, count, max_answer_bytes, inline_chars, annotate)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return predicted_cost(prompt_tokens, completion_tokens, self.price_in, self.price_out)
@@ -117,6 +121,8 @@ def record_usage(usage: dict, costing: Costing, result: RelayResult) -> None:
     result.completion_tokens = _count(usage, "completion_tokens")
     result.cost_usd = usage["cost_usd"] = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = "upstream"
+    if costing.annotate is not None:
+        costing.annotate(usage, result.completion_tokens)
 
 
 async def count_usage(texts: list[str], costing: Costing, result: RelayResult) -> dict:
@@ -126,9 +132,12 @@ async def count_usage(texts: list[str], costing: Costing, result: RelayResult) -
     result.completion_tokens = await costing.count_text("".join(texts))
     result.cost_usd = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = COUNTED
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens, "cost_usd": result.cost_usd,
-            "cost_source": COUNTED}
+    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+             "total_tokens": result.prompt_tokens + result.completion_tokens, "cost_usd": result.cost_usd,
+             "cost_source": COUNTED}
+    if costing.annotate is not None:
+        costing.annotate(usage, result.completion_tokens)
+    return usage
 
 
 def _answer_texts(data: dict) -> list[str]:

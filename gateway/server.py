@@ -40,6 +40,7 @@ from gateway.scheduler import Scheduler, refusal_error
 from gateway.scheduling.ledger import PoolLedger
 from gateway.scheduling.policies import registry
 from gateway.scheduling.request import Completion, Decision, RouteRequest, Ticket
+from gateway.slo_check import SloCheck, resolve_slo
 from gateway.telemetry import scrape_forever
 from gateway.tokens import TokenCounter
 from gateway.trust.keys import anonymous_allowed
@@ -203,13 +204,17 @@ class Gateway:
         loop = asyncio.get_running_loop()
         start = loop.time()
         attempt = Attempt()
+        slo: SloCheck | None = None
+        policy = cfg.scheduler.policy
         self.metrics.in_flight.inc()
         try:
             key = self.access.authorize(request, cfg, self.host)
             raw = await read_body(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
             req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
-                                   policies=registry.names())
+                                   policies=registry.names(), max_slo_s=cfg.slo.max_s)
             self.access.permit(key, req, loop.time())
+            policy = req.routing.policy or cfg.scheduler.policy
+            slo = SloCheck(*resolve_slo(cfg, req.routing, key), start, loop.time, cfg.slo.classes)
             candidates = candidates_for(cfg, req.model)
             if key is not None and self.spend is None:  # keys without their ledger: fail closed
                 raise ApiError(503, "the spend ledger is unavailable; requests of keys are refused until it is back",
@@ -226,8 +231,11 @@ class Gateway:
                 max_tokens=req.max_tokens,
                 weights=resolve_weights(cfg, req.routing, key),
                 budget_usd=budget,
-                policy=req.routing.policy or cfg.scheduler.policy,
+                policy=policy,
                 n=req.n,
+                slo_s=slo.slo_s,
+                tpot_slo_s=slo.tpot_slo_s,
+                slo_class=slo.slo_class,
             )
             ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg)
             refused = ticket.decision.refused
@@ -240,7 +248,7 @@ class Gateway:
             cfg = ticket.config  # the decision's instance indices are this config's
             resp = None
             try:
-                resp = await self._dispatch(request, cfg, req, ticket, attempt, spend, route)
+                resp = await self._dispatch(request, cfg, req, ticket, attempt, spend, route, slo)
             finally:
                 ok = resp is not None and resp.status < 400 and not attempt.result.failed_status
                 self.scheduler.complete(ticket, Completion(ok, attempt.index, attempt.result.completion_tokens))
@@ -268,6 +276,24 @@ class Gateway:
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
+            if slo is not None and slo.any:
+                self._count_slo(slo, policy, attempt)
+
+    def _count_slo(self, slo: SloCheck, policy: str, attempt: Attempt) -> None:
+        """Attainment per policy and SLO class: met, missed (served late, or failed), refused (never served)."""
+        served = attempt.index is not None and attempt.status < 400
+        if served and slo.met is None and slo.tpot_met is None:
+            slo.judge(attempt.result.completion_tokens)  # its usage never went out (e.g. the client asked none)
+
+        def result(met: bool | None) -> str:
+            if attempt.index is None:
+                return "refused"
+            return "met" if served and met else "missed"
+
+        if slo.slo_s is not None:
+            self.metrics.slo.labels(policy, slo.slo_class, result(slo.met)).inc()
+        if slo.tpot_slo_s is not None:
+            self.metrics.tpot_slo.labels(policy, result(slo.tpot_met)).inc()
 
     async def _count_prompt(self, req: CompletionRequest, cfg: Config, body_bytes: int) -> int:
         """Prompt tokens as the instance will count them (function signatures included); a large
@@ -281,7 +307,7 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(None, count, *args)
 
     async def _dispatch(self, request, cfg: Config, req: CompletionRequest, ticket: Ticket, attempt: Attempt,
-                        spend: RequestSpend, route: str):
+                        spend: RequestSpend, route: str, slo: SloCheck):
         """Send the request to its instance; before the first byte, retry on the next-ranked ones.
         Each attempt is reserved against the key before it goes and paid for when it ends."""
         loop = asyncio.get_running_loop()
@@ -305,7 +331,8 @@ class Gateway:
                 continue
             instance = cfg.instances[plan.instance]
             costing = Costing.for_instance(instance, routed.input_tokens, self.token_counter.count,
-                                           up.max_response_bytes, cfg.server.tokenize_inline_chars)
+                                           up.max_response_bytes, cfg.server.tokenize_inline_chars,
+                                           slo.annotate if slo.any else None)
             worst = worst_case_usd(instance, routed.input_tokens, plan.max_tokens, routed.n, req.has_media)
             spend.reserve(worst)
             if plan.clamped:
@@ -324,7 +351,7 @@ class Gateway:
                     answered = True
                     core.attempt_succeeded(ticket, plan)
                     core.first_token(ticket, loop.time())
-                core.progress(ticket, tokens)
+                core.progress(ticket, tokens, loop.time())
 
             cost: float | None = None
             try:
@@ -344,6 +371,7 @@ class Gateway:
                     resp = await relay_full(upstream, instance, result, costing)
                     on_progress(result.completion_tokens)
                     resp.headers.update(headers)
+                    resp.headers.update(slo.headers())
                 if result.instance_failed:  # it broke off after the first byte
                     core.attempt_failed(ticket, plan, loop.time())
                 cost = result.cost_usd

@@ -20,6 +20,9 @@ PRESET_HEADER = "X-Route-Preset"
 WEIGHTS_HEADER = "X-Route-Weights"
 BUDGET_HEADER = "X-Route-Budget-USD"
 POLICY_HEADER = "X-Route-Policy"
+SLO_HEADER = "X-Route-SLO-S"
+TPOT_SLO_HEADER = "X-Route-TPOT-SLO-MS"
+MAX_TPOT_SLO_MS = 60_000.0  # a minute per token is no bound; larger values are a unit mistake
 WEIGHT_KEYS = ("quality", "latency", "cost")
 MAX_JSON_DEPTH = 64  # nesting a request may have; deeper cannot be re-encoded for the instance (orjson stops at 255)
 MAX_N = 128  # answers per request (OpenAI's limit for n)
@@ -33,6 +36,8 @@ class RoutingOptions:
     weights: tuple[float, float, float] | None = None  # quality, latency, cost
     budget_usd: float | None = None
     policy: str | None = None  # "routebalance" or a pipeline baseline "<router>+<dispatcher>"
+    slo_s: float | None = None  # end-to-end SLO, seconds
+    tpot_slo_ms: float | None = None  # bound on the time per output token, milliseconds
 
 
 @dataclass(slots=True)
@@ -175,13 +180,34 @@ def _parse_budget(raw, param: str) -> float:
     return float(raw)
 
 
-def parse_routing(body_routing, headers: Mapping[str, str], presets, policies=()) -> RoutingOptions:
+def _parse_bound(raw, param: str, unit: str, most: float) -> float:
+    """A positive number of `unit` no larger than `most` (an SLO: 0, negative or huge values are mistakes)."""
+    if isinstance(raw, str):
+        try:
+            raw = float(raw)
+        except ValueError:
+            raise ApiError(400, f"'{param}' must be a number of {unit}", param) from None
+    if not _is_number(raw) or not 0 < raw <= most:
+        raise ApiError(400, f"'{param}' must be a number of {unit} > 0 and <= {most:g}, got {raw!r}", param)
+    return float(raw)
+
+
+def _body_or_header(body_routing: dict, field: str, headers: Mapping[str, str], header: str, parse):
+    if field in body_routing:
+        return parse(body_routing[field], f"routing.{field}")
+    if header in headers:
+        return parse(headers[header], header)
+    return None
+
+
+def parse_routing(body_routing, headers: Mapping[str, str], presets, policies=(),
+                  max_slo_s: float = 86400.0) -> RoutingOptions:
     """Routing controls from the body's "routing" object and the X-Route-* headers; the body wins."""
     if body_routing is None:
         body_routing = {}
     if not isinstance(body_routing, dict):
         raise ApiError(400, "'routing' must be an object", "routing")
-    unknown = set(body_routing) - {"preset", "weights", "budget_usd", "policy"}
+    unknown = set(body_routing) - {"preset", "weights", "budget_usd", "policy", "slo_s", "tpot_slo_ms"}
     if unknown:
         raise ApiError(400, f"unknown routing field {sorted(unknown)[0]!r}", "routing")
 
@@ -194,19 +220,19 @@ def parse_routing(body_routing, headers: Mapping[str, str], presets, policies=()
         weights = _parse_weights(headers[WEIGHTS_HEADER], WEIGHTS_HEADER)
     else:
         weights = None
-    if "budget_usd" in body_routing:
-        budget = _parse_budget(body_routing["budget_usd"], "routing.budget_usd")
-    elif BUDGET_HEADER in headers:
-        budget = _parse_budget(headers[BUDGET_HEADER], BUDGET_HEADER)
-    else:
-        budget = None
+    budget = _body_or_header(body_routing, "budget_usd", headers, BUDGET_HEADER, _parse_budget)
+    slo_s = _body_or_header(body_routing, "slo_s", headers, SLO_HEADER,
+                            lambda raw, param: _parse_bound(raw, param, "seconds", max_slo_s))
+    tpot_slo_ms = _body_or_header(body_routing, "tpot_slo_ms", headers, TPOT_SLO_HEADER,
+                                  lambda raw, param: _parse_bound(raw, param, "milliseconds", MAX_TPOT_SLO_MS))
     policy = body_routing.get("policy", headers.get(POLICY_HEADER))
     if policy is not None and (not isinstance(policy, str) or policy not in policies):
         raise ApiError(400, f"unknown policy {policy!r}; known: {', '.join(policies)}", "routing.policy")
-    return RoutingOptions(preset, weights, budget, policy)
+    return RoutingOptions(preset, weights, budget, policy, slo_s, tpot_slo_ms)
 
 
-def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=()) -> CompletionRequest:
+def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=(),
+                     max_slo_s: float = 86400.0) -> CompletionRequest:
     body = parse_body(raw)
     model = body.get("model")
     if model is None:
@@ -243,7 +269,7 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
     has_media = chat and any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
                              for m in body["messages"])
 
-    routing = parse_routing(body.pop("routing", None), headers, presets, policies)
+    routing = parse_routing(body.pop("routing", None), headers, presets, policies, max_slo_s)
     return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing, n, tools,
                              has_media)
 

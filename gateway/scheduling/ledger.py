@@ -210,4 +210,5 @@ class PoolLedger:
             price_out=np.array([per_token(i.price_output_per_mtok) for i in instances]),
             tpot_prior_s=np.array([i.tpot_prior_ms / 1000 for i in instances]),
             tiers=tuple(tier_key(i.model, i.gpu) for i in instances),
+            now=now,
         )

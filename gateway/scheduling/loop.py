@@ -13,6 +13,7 @@ are two thin drivers of this object. A driver calls, in this order:
     plan(ticket, i, now, budget)            each ranked attempt in its turn, with its budget clamp
     dispatched / attempt_failed|succeeded   an attempt goes out, and how the instance did
     progress / first_token / complete       what came back; the ledger and the policy hear it
+    evictions(cfg, now); requeue(ticket)    requests a policy evicts: aborted, then held again
 
 `decide` touches no ticket (live it runs in a worker thread while the event
 loop may withdraw a ticket whose client left); everything else runs on the
@@ -59,6 +60,10 @@ class PolicySet:
 
     def built(self, name: str) -> bool:
         return name in self._built
+
+    def active(self) -> list[Policy]:
+        """The policies built so far (the ones that have decided requests)."""
+        return [p for p in self._built.values() if isinstance(p, Policy)]
 
     def get(self, name: str) -> Policy | Refusal:
         """The policy, or the Refusal its requests get when it cannot run."""
@@ -208,14 +213,9 @@ class SchedulingLoop:
         out = []
         for ticket, (d, policy) in zip(batch, decided, strict=True):
             ticket.decision, ticket.decided_by = d, policy
-            if d.refused is None and policy is not None and policy.overrides("hold"):
-                try:
-                    if policy.hold(ticket, self.view(ticket.config, now)):
-                        self.held.append(ticket)
-                        continue
-                except Exception as e:
-                    log.exception("policy %s failed in `hold`", ticket.request.policy)
-                    ticket.decision = Decision((), refused=_policy_error("hold", e))
+            if d.refused is None and policy is not None and policy.overrides("hold") and self._held(ticket, now):
+                self.held.append(ticket)
+                continue
             if ticket.decision.refused is None:
                 self._book_first(ticket, now)
             out.append(ticket)
@@ -225,17 +225,52 @@ class SchedulingLoop:
         """The held requests whose policy lets them go now, booked: ready to dispatch (or refused)."""
         out = []
         for ticket in list(self.held):
-            try:
-                if ticket.decided_by.hold(ticket, self.view(ticket.config, now)):
-                    continue
-            except Exception as e:
-                log.exception("policy %s failed in `hold`", ticket.request.policy)
-                ticket.decision = Decision((), refused=_policy_error("hold", e))
+            if self._held(ticket, now):
+                continue
             self.held.remove(ticket)
             if ticket.decision is not None and ticket.decision.refused is None:
                 self._book_first(ticket, now)
             out.append(ticket)
         return out
+
+    def _held(self, ticket: Ticket, now: float) -> bool:
+        """Does the ticket's policy keep it in the gateway now? A policy that places it anew
+        changes its decision; one that fails refuses it."""
+        try:
+            verdict = ticket.decided_by.hold(ticket, self.view(ticket.config, now))
+        except Exception as e:
+            log.exception("policy %s failed in `hold`", ticket.request.policy)
+            ticket.decision = Decision((), refused=_policy_error("hold", e))
+            return False
+        if isinstance(verdict, Decision):
+            ticket.decision = _checked(verdict, ticket)
+            return False
+        return bool(verdict)
+
+    # ---- eviction --------------------------------------------------------------
+    def evictions(self, cfg, now: float) -> list[Ticket]:
+        """Dispatched requests the policies of `cfg` want aborted and held again (see `Policy.evict`):
+        only ones booked, of that policy, whose client has seen no byte of the answer."""
+        out: list[Ticket] = []
+        view = None
+        for policy in self.policies(cfg).active():
+            if not policy.overrides("evict"):
+                continue
+            view = view or self.view(cfg, now)
+            try:
+                victims = policy.evict(view, now)
+            except Exception:
+                log.exception("policy %s failed in `evict`", policy.name)
+                continue
+            out += [t for t in victims if t.booked_on is not None and t.decided_by is policy and evictable(t)
+                    and t not in out]
+        return out
+
+    def requeue(self, ticket: Ticket, now: float) -> None:
+        """An evicted request's attempt was aborted: out of the ledger, held again in the gateway."""
+        self._unbook(ticket)
+        ticket.evictions += 1
+        self.held.append(ticket)
 
     def _book_first(self, ticket: Ticket, now: float) -> None:
         first = next(self.plans(ticket, now), None)
@@ -307,12 +342,16 @@ class SchedulingLoop:
             ticket.booked_on = None
 
     # ---- what comes back -------------------------------------------------------------
-    def progress(self, ticket: Ticket, tokens: int) -> None:
+    def progress(self, ticket: Ticket, tokens: int, now: float) -> None:
         """`tokens` answer tokens of the request have streamed back so far."""
         if ticket.booked_on is not None:
             self.ledger.of(ticket.booked_on).streamed(ticket, tokens)
+        policy = ticket.decided_by
+        if policy is not None and policy.overrides("on_progress"):
+            self._tell(policy, "on_progress", ticket, tokens, now)
 
     def first_token(self, ticket: Ticket, now: float) -> None:
+        ticket.first_token_at = now
         self._tell(ticket.decided_by, "on_first_token", ticket, now)
 
     def complete(self, ticket: Ticket, completion: Completion, now: float) -> None:
@@ -330,6 +369,12 @@ class SchedulingLoop:
             getattr(policy, hook)(*args)
         except Exception:
             log.exception("policy %s failed in `%s`", policy.name, hook)
+
+
+def evictable(ticket: Ticket) -> bool:
+    """Its client has seen no byte of the answer, so an abort and a second attempt stay invisible;
+    a budgeted request is never evicted (its aborted attempt would eat its budget)."""
+    return not (ticket.streaming and ticket.first_token_at is not None) and ticket.request.budget_usd is None
 
 
 def _checked(d: Decision, ticket: Ticket) -> Decision:

@@ -25,6 +25,9 @@ class RouteRequest:
     budget_usd: float | None = None  # the request's own budget, or its key's remaining spend if smaller
     policy: str = "routebalance"  # a registered policy's name
     n: int = 1  # answers generated per request (OpenAI's n, or best_of): each is paid for
+    slo_s: float | None = None  # end-to-end SLO, seconds from arrival to the answer's end (None: none)
+    tpot_slo_s: float | None = None  # bound on the time per output token (end-to-end / answer tokens)
+    slo_class: str = "none"  # the class slo_s falls in (scheduling/slo.py), for metrics and grouping
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +107,5 @@ class Ticket:
     decision: Decision | None = None
     decided_by: Any = field(default=None, repr=False)  # the policy object that decided it (it hears the hooks)
     booked_on: str | None = None  # the instance it is entered under in the pool ledger
+    first_token_at: float | None = None  # when its first answer token came back (a stream's client saw it)
+    evictions: int = 0  # times a policy aborted its attempt and held it again

@@ -48,6 +48,7 @@ class PoolView:
     price_out: np.ndarray  # USD per output token
     tpot_prior_s: np.ndarray  # the tier's low-load seconds per output token
     tiers: tuple[str, ...]  # tier_key of each instance
+    now: float = 0.0  # the instant the view describes (the driver's clock: real or virtual seconds)
 
     @property
     def active(self) -> np.ndarray:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.scheduling.slo import time_per_token
 from gateway.sim.stats import Interval, bootstrap_many, bootstrap_mean, differences
 
 PERCENTILES = (50, 95, 99)
@@ -30,7 +31,12 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
     - residual: arrival to dispatch (batch wait + scheduler compute), the time a
       request spends in the gateway rather than on its instance;
     - budget_exhaustion: share of budgeted requests refused or cut short by their budget;
-    - refused: share of requests refused (answered with an error, never served).
+    - refused: share of requests refused (answered with an error, never served);
+    - slo_attainment: share of the requests with an end-to-end SLO that were served within it
+      (a refused one misses), and the same per SLO class (slo_by_class); NaN without SLOs;
+    - tpot_mean: the QoS paper's time per output token (e2e over answer tokens), served requests;
+    - qos: mean over every request of quality x [time per token <= its bound] (QoS paper Eq. 1;
+      refused: 0); NaN when no request has a bound.
     """
     served = [o for o in outcomes if o.instance >= 0]
     if not outcomes:
@@ -56,6 +62,11 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
         "refused": 1.0 - len(served) / len(outcomes),
         "mix": {m: mix.get(m, 0) / len(outcomes) for m in dict.fromkeys(models)},
     }
+    arrays = RequestArrays.of(outcomes, models)
+    row["slo_attainment"] = _nanmean(arrays.slo_ok)
+    row["slo_by_class"] = {c: _nanmean(arrays.slo_ok[arrays.slo_class == k]) for k, c in enumerate(arrays.classes)}
+    row["tpot_mean"] = _nanmean(arrays.tpot)
+    row["qos"] = _nanmean(arrays.qos)
     for p in PERCENTILES:
         row[f"e2e_p{p}"] = _pct(e2e, p)
         row[f"ttft_p{p}"] = _pct(ttft, p)
@@ -67,6 +78,10 @@ def _mean(x: np.ndarray) -> float:
     return float(x.mean()) if len(x) else math.nan
 
 
+def _nanmean(x: np.ndarray) -> float:
+    return float(np.nanmean(x)) if len(x) and not np.isnan(x).all() else math.nan
+
+
 def _pct(x: np.ndarray, p: float) -> float:
     return float(np.percentile(x, p)) if len(x) else math.nan
 
@@ -74,7 +89,9 @@ def _pct(x: np.ndarray, p: float) -> float:
 # ---- several seeds of one cell ------------------------------------------------------
 
 # The figures reported with a 95% interval (`<name>_lo`, `<name>_hi`) when a cell runs on several seeds.
-HEADLINE = ("quality", "e2e_mean", "e2e_p99", "ttft_mean", "cost_mean", "throughput", "budget_exhaustion", "refused")
+# SLO figures get one only in cells whose requests carry SLOs.
+HEADLINE = ("quality", "e2e_mean", "e2e_p99", "ttft_mean", "cost_mean", "throughput", "budget_exhaustion", "refused",
+            "slo_attainment", "qos", "tpot_mean")
 PAIRED = ("quality", "e2e_mean")  # the figures a paired comparison of two cells reports
 
 
@@ -93,6 +110,11 @@ class RequestArrays:
     tiers: tuple[str, ...]  # the pool's models, in config order, each once
     budgeted: np.ndarray  # bool: it carried a budget
     budget_cut: np.ndarray  # bool: its budget ended the answer early
+    slo_ok: np.ndarray  # 1 served within its end-to-end SLO, 0 not (late or refused), NaN without an SLO
+    slo_class: np.ndarray  # int8: index in `classes` of its SLO class
+    classes: tuple[str, ...]  # the SLO classes of the run, in order of first appearance
+    tpot: np.ndarray  # s per answer token, arrival to last token (NaN if refused)
+    qos: np.ndarray  # quality x [tpot <= its bound] (0 if refused), NaN without a bound
 
     @classmethod
     def of(cls, outcomes: Sequence, models: Sequence[str]) -> RequestArrays:
@@ -101,15 +123,29 @@ class RequestArrays:
         instance = np.array([o.instance for o in outcomes])
         served = instance >= 0
         arrival = np.array([o.arrival for o in outcomes])
+        finished = np.array([o.finished for o in outcomes])
+        e2e = np.where(served, finished - arrival, np.nan)
+        tokens = np.array([o.completion_tokens for o in outcomes])
+        tpot = np.where(served, [time_per_token(e, t) for e, t in zip(e2e, tokens, strict=True)], np.nan)
+        slo = np.array([np.nan if o.slo_s is None else o.slo_s for o in outcomes], dtype=float)
+        bound = np.array([np.nan if o.tpot_slo_s is None else o.tpot_slo_s for o in outcomes], dtype=float)
+        quality = np.array([o.quality for o in outcomes], dtype=float)
+        classes = tuple(dict.fromkeys(o.slo_class for o in outcomes))
         return cls(
-            quality=np.array([o.quality for o in outcomes], dtype=float),
-            e2e=np.where(served, np.array([o.finished for o in outcomes]) - arrival, np.nan),
+            quality=quality,
+            e2e=e2e,
             ttft=np.where(served, np.array([o.first_token for o in outcomes]) - arrival, np.nan),
             cost=np.array([o.cost_usd for o in outcomes], dtype=float),
             tier=tier_of_instance[instance],
             tiers=tiers,
             budgeted=np.array([o.budget_usd is not None for o in outcomes]),
             budget_cut=np.array([o.budget_cut for o in outcomes]),
+            slo_ok=np.where(np.isnan(slo), np.nan, (served & (np.nan_to_num(e2e, nan=np.inf) <= slo)).astype(float)),
+            slo_class=np.array([classes.index(o.slo_class) for o in outcomes], dtype=np.int8),
+            classes=classes,
+            tpot=tpot,
+            qos=np.where(np.isnan(bound), np.nan,
+                         np.where(served & (np.nan_to_num(tpot, nan=np.inf) <= bound), quality, 0.0)),
         )
 
     @property
@@ -131,9 +167,15 @@ def request_figures(runs: Sequence[RequestArrays]) -> dict[str, tuple[np.ndarray
     if np.isnan(exhausted).all():
         exhausted = np.zeros_like(exhausted)  # no budgets: summarise reports 0, and so does its interval
     e2e = stacked(lambda r: r.e2e)
-    return {"quality": (stacked(lambda r: r.quality), "mean"), "e2e_mean": (e2e, "mean"), "e2e_p99": (e2e, 99.0),
-            "ttft_mean": (stacked(lambda r: r.ttft), "mean"), "cost_mean": (stacked(lambda r: r.cost), "mean"),
-            "budget_exhaustion": (exhausted, "mean"), "refused": (stacked(lambda r: r.refused), "mean")}
+    figures = {"quality": (stacked(lambda r: r.quality), "mean"), "e2e_mean": (e2e, "mean"), "e2e_p99": (e2e, 99.0),
+               "ttft_mean": (stacked(lambda r: r.ttft), "mean"), "cost_mean": (stacked(lambda r: r.cost), "mean"),
+               "budget_exhaustion": (exhausted, "mean"), "refused": (stacked(lambda r: r.refused), "mean"),
+               "tpot_mean": (stacked(lambda r: r.tpot), "mean")}
+    for name in ("slo_ok", "qos"):  # only where requests carry the SLO
+        values = stacked(lambda r, name=name: getattr(r, name))
+        if not np.isnan(values).all():
+            figures["slo_attainment" if name == "slo_ok" else name] = (values, "mean")
+    return figures
 
 
 def mean_over_seeds(rows: Sequence[dict]) -> dict:
@@ -170,7 +212,8 @@ def _bounds(value: float, interval: Interval) -> tuple[float, float]:
     return min(interval.lo, value), max(interval.hi, value)
 
 
-def paired_differences(runs_a: Sequence[RequestArrays], runs_b: Sequence[RequestArrays], **kw) -> dict[str, Interval]:
-    """Cell A minus cell B for each PAIRED figure, on the same seeds and prompts, with paired intervals."""
+def paired_differences(runs_a: Sequence[RequestArrays], runs_b: Sequence[RequestArrays],
+                       figures: Sequence[str] = PAIRED, **kw) -> dict[str, Interval]:
+    """Cell A minus cell B for each of `figures`, on the same seeds and prompts, with paired intervals."""
     a, b = request_figures(runs_a), request_figures(runs_b)
-    return differences({k: a[k] for k in PAIRED}, {k: b[k] for k in PAIRED}, **kw)
+    return differences({k: a[k] for k in figures}, {k: b[k] for k in figures}, **kw)

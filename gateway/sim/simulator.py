@@ -31,6 +31,7 @@ from gateway.scheduling.budget import per_token, predicted_cost
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
 from gateway.scheduling.request import Completion, Estimates, Refusal, RouteRequest, Ticket
+from gateway.scheduling.slo import slo_class
 from gateway.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.sim.evalset import EvalSet
 
@@ -52,6 +53,21 @@ class CellSpec:
     down: tuple[str, ...] = ()  # models whose instances are all down for the whole cell
     model: str | None = None  # a pool model: every request names it, as `model` does in the API
     max_tokens: int = DEFAULT_MAX_TOKENS  # what every simulated client asks for
+    # End-to-end SLO mix: (seconds, share of requests) pairs, drawn per request from the seed; the
+    # remaining share carries no SLO (the QLM paper's classes: interactive ~20-30 s, batch minutes).
+    slos: tuple[tuple[float, float], ...] = ()
+    tpot_slo_s: float | None = None  # every request's time-per-output-token bound (the QoS paper's L)
+    # The QLM paper's W_C: this share of requests are "mega prompts" of (prompt, answer) tokens,
+    # whose KV fills much of an instance; the estimators see only their text.
+    mega_share: float = 0.0
+    mega_tokens: tuple[int, int] = (3000, 1000)
+    # Requests whose SLO is at least this long do not stream (batch jobs read the whole answer), so a
+    # policy may evict them until they finish; the rest stream, evictable until their first token.
+    stream_below_s: float = math.inf
+
+    def __post_init__(self):
+        if sum(share for _, share in self.slos) > 1 + 1e-9 or any(s <= 0 or w < 0 for s, w in self.slos):
+            raise ValueError("slos: positive seconds, shares >= 0 summing to at most 1")
 
 
 @dataclass(slots=True)
@@ -69,6 +85,10 @@ class Outcome:
     cost_usd: float = 0.0
     budget_usd: float | None = None
     budget_cut: bool = False  # the budget clamp ended the answer before the model would have
+    slo_s: float | None = None  # its end-to-end SLO
+    slo_class: str = "none"
+    tpot_slo_s: float | None = None  # its bound on time per output token
+    evictions: int = 0  # times its policy aborted it on an instance and held it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +107,21 @@ def budgets(spec: CellSpec, prompt_tokens: np.ndarray) -> list[float | None]:
     price = per_token(spec.budget_price_per_mtok)
     return [float((p + spec.budget_answer_tokens) * price) if c else None
             for p, c in zip(prompt_tokens, chosen, strict=True)]
+
+
+def slos(spec: CellSpec, n: int) -> list[float | None]:
+    """Each request's end-to-end SLO: a seeded draw from the spec's mix."""
+    if not spec.slos:
+        return [None] * n
+    rng = np.random.default_rng(spec.seed + 104729)
+    bounds = np.cumsum([share for _, share in spec.slos])
+    picks = np.searchsorted(bounds, rng.random(n), side="right")
+    return [spec.slos[k][0] if k < len(spec.slos) else None for k in picks]
+
+
+def megas(spec: CellSpec, n: int) -> np.ndarray:
+    """Which requests are mega prompts (a seeded choice of `mega_share` of them)."""
+    return np.random.default_rng(spec.seed + 15485863).random(n) < spec.mega_share
 
 
 def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResult:
@@ -109,12 +144,20 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     if isinstance(policy, Refusal):
         raise ValueError(policy.message)
     times = arrival_times(spec.arrivals, len(ev), spec.seed)
-    budget_of = budgets(spec, ev.prompt_tokens)
-    outcomes = [Outcome(float(t), prompt_tokens=int(ev.prompt_tokens[r]), budget_usd=budget_of[r])
+    mega = megas(spec, len(ev))
+    prompt_tokens = np.where(mega, spec.mega_tokens[0], ev.prompt_tokens)
+    label_length = np.where(mega[:, None], spec.mega_tokens[1], ev.label_length)
+    budget_of = budgets(spec, prompt_tokens)
+    slo_of = slos(spec, len(ev))
+    class_of = [slo_class(s, cfg.slo.classes) for s in slo_of]
+    outcomes = [Outcome(float(t), prompt_tokens=int(prompt_tokens[r]), budget_usd=budget_of[r], slo_s=slo_of[r],
+                        slo_class=class_of[r], tpot_slo_s=spec.tpot_slo_s)
                 for r, t in enumerate(times)]
-    tickets = [Ticket(RouteRequest(everyone, ev.prompts[r], int(ev.prompt_tokens[r]), spec.max_tokens,
-                                   spec.weights, budget_of[r], spec.policy),
-                      spec.model or "", streaming=True, config=cfg, handle=r) for r in range(len(ev))]
+    tickets = [Ticket(RouteRequest(everyone, ev.prompts[r], int(prompt_tokens[r]), spec.max_tokens,
+                                   spec.weights, budget_of[r], spec.policy, slo_s=slo_of[r],
+                                   tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r]),
+                      spec.model or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
+                      config=cfg, handle=r) for r in range(len(ev))]
     in_flight: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), until seen finished
     sequences: dict[int, tuple[int, object]] = {}
     batches: list[int] = []
@@ -137,8 +180,9 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
 
     first_heard: set[int] = set()
 
-    def sync() -> None:
-        """The gateway hears first tokens, streamed progress and completions (every request streams)."""
+    def sync(t: float) -> None:
+        """The gateway hears first tokens, progress and completions (of a request that does not stream, the
+        gateway hears as its relay reads)."""
         for rid, (i, seq) in list(in_flight.items()):
             if rid not in first_heard and seq.first_token_time is not None:
                 first_heard.add(rid)
@@ -147,7 +191,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                 core.complete(tickets[rid], Completion(True, i, seq.generated), seq.finish_time)
                 del in_flight[rid]
             else:
-                core.progress(tickets[rid], seq.generated)
+                core.progress(tickets[rid], seq.generated, t)
 
     def scrape(t: float) -> None:
         for k, (inst, e) in enumerate(zip(instances, engines, strict=True)):
@@ -186,13 +230,24 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                 continue
             core.dispatched(ticket, plan, t)
             i = plan.instance
-            label = int(ev.label_length[rid, i])
+            label = int(label_length[rid, i])
             out.instance, out.dispatched = i, t
             out.quality = float(ev.label_score[rid, i])
             out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, spec.max_tokens)
             seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
                                  output_tokens=label, now=t)
             in_flight[rid] = sequences[rid] = (i, seq)
+
+    def evict(t: float) -> None:
+        """Requests the policy evicts: aborted on their engine (the work is lost) and held again."""
+        for ticket in core.evictions(cfg, t):
+            rid = ticket.handle
+            i, seq = in_flight.pop(rid)
+            del sequences[rid]
+            engines[i].abort(rid, t)
+            first_heard.discard(rid)
+            outcomes[rid].instance, outcomes[rid].evictions = -1, outcomes[rid].evictions + 1
+            core.requeue(ticket, t)
 
     # The live loop re-reads the window rule when a request arrives, when a batch
     # has been dispatched, and when the window it sleeps on ends; not on scrapes.
@@ -203,10 +258,13 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     pending: tuple[float, list[Ticket], list] | None = None  # a decided batch: (when it is dispatched, ...)
     clock = 0.0
     window = core.limit(cfg, 0.0)
+    evicting = policy.overrides("evict")
     while True:
-        if core.held:
+        if core.held or evicting:
             advance(clock)
-            sync()
+            sync(clock)
+            if evicting:
+                evict(clock)
             dispatch(clock, core.release_held(clock))
         t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
         t_dispatch = pending[0] if pending is not None else math.inf
@@ -225,7 +283,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
         if clock == t_dispatch:
             advance(clock)
             if policy.overrides("hold"):
-                sync()  # `hold` judges the pool as it is now
+                sync(clock)  # `hold` judges the pool as it is now
             _, batch, decided = pending
             dispatch(clock, core.settle(batch, decided, clock))
             pending = None
@@ -240,7 +298,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                 if not core.queue.ready(window, clock):
                     continue  # the rule now asks for a longer window: sleep on
             advance(clock)
-            sync()
+            sync(clock)
             busy_until, batch, decided = fire(clock, window)
             pending = (busy_until, batch, decided)
     for ticket in list(core.held):  # held when nothing was left to free room: refused

@@ -33,7 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.metrics import HEADLINE, RequestArrays, mean_over_seeds, paired_differences, summarise, with_intervals
+from gateway.sim.metrics import (
+    HEADLINE,
+    PAIRED,
+    RequestArrays,
+    mean_over_seeds,
+    paired_differences,
+    summarise,
+    with_intervals,
+)
 from gateway.sim.simulator import CellSpec, run_cell, with_batching
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,7 @@ class Pair:
     name: str
     a: dict
     b: dict
+    figures: tuple[str, ...] = PAIRED  # what is compared (metrics.request_figures' names)
 
 
 # ---- the cells -------------------------------------------------------------------------------
@@ -464,7 +473,7 @@ def _compare(pair: Pair, rows: list[dict], arrays: list[list[RequestArrays]]) ->
         raise ValueError(f"pair {pair.name!r} compares cells with different arrivals: requests do not pair")
     out = {"pair": pair.name, "rate": ra["rate"], "arrivals": ra["arrivals"], "seeds": ra["seeds"],
            "a": f"{ra['system']} {ra['label']}", "b": f"{rb['system']} {rb['label']}"}
-    for name, diff in paired_differences(arrays[a], arrays[b]).items():
+    for name, diff in paired_differences(arrays[a], arrays[b], pair.figures).items():
         out |= {f"a_{name}": ra[name], f"b_{name}": rb[name], f"{name}_diff": diff.mean,
                 f"{name}_diff_lo": diff.lo, f"{name}_diff_hi": diff.hi}
     return out

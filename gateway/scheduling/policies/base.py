@@ -13,12 +13,21 @@ the same code. Hooks:
   of instances). May update `view` (dead reckoning) so later requests of the
   batch see the work the earlier ones added.
 - `hold(ticket, view)`: True keeps a decided request in the gateway until
-  its instance has room (request pulling); the loop asks again after every
+  its instance has room (request pulling); False lets it go as decided; a
+  Decision lets it go placed anew (a policy that re-plans its queues moves a
+  waiting request to another instance). The loop asks again after every
   completion and scrape (in the simulator, after every event), in the order
   the requests were held. A held request is not in the pool ledger, so the
   view does not count it: a policy that holds keeps its own account of what
   it holds (it sees every held ticket in `hold`).
+- `evict(view, now)`: dispatched requests of this policy to abort and hold
+  again (eviction at the gateway: a tighter-SLO request would otherwise
+  miss). Only a request whose client has seen no byte of its answer may be
+  evicted (not streamed, or streamed before its first token), so the client
+  gets one answer; the loop drops any other. An evicted request is held (its
+  policy's `hold` decides when it goes again) and its aborted attempt is paid.
 - `on_dispatch(ticket, plan, now)`, `on_first_token(ticket, now)`,
+  `on_progress(ticket, tokens, now)` (answer tokens so far),
   `on_complete(ticket, completion, now)`: lifecycle events, for policies that
   learn or keep state. Every decided request ends in `on_complete`, refused
   ones included (`completion.ok` False, `instance` None).
@@ -61,13 +70,19 @@ class Policy:
     def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
         raise NotImplementedError
 
-    def hold(self, ticket: Ticket, view: PoolView) -> bool:
+    def hold(self, ticket: Ticket, view: PoolView) -> bool | Decision:
         return False
+
+    def evict(self, view: PoolView, now: float) -> Sequence[Ticket]:
+        return ()
 
     def on_dispatch(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:
         pass
 
     def on_first_token(self, ticket: Ticket, now: float) -> None:
+        pass
+
+    def on_progress(self, ticket: Ticket, tokens: int, now: float) -> None:
         pass
 
     def on_complete(self, ticket: Ticket, completion: Completion, now: float) -> None:
