@@ -75,6 +75,11 @@ def preset_for(key: ApiKey | None, requested: str | None, default: str) -> str |
     return default if default in key.presets else key.presets[0]
 
 
+def request_preset(cfg: Config, routing, key: ApiKey | None) -> str:
+    """The preset a request runs with: its own, else one its key allows, else the configured one."""
+    return preset_for(key, routing.preset, cfg.scheduler.preset) or cfg.scheduler.preset
+
+
 def check_admin(request: web.Request, cfg: Config) -> None:
     """Admin endpoints: off (404) without [server].admin_token; else the token, compared in constant time."""
     token = cfg.server.admin_token

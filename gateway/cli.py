@@ -167,7 +167,7 @@ def add_offline_commands(sub) -> None:
     p = sub.add_parser("sim", help="simulate the gateway over the pool in virtual time: one cell, or a named sweep")
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--sweep",
-                   help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness")
+                   help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, qlm, qos")
     p.add_argument("--requests", type=int, default=2500,
                    help="held-out prompts per cell (the paper's held-out set is 3534; 2500 keeps the five sweeps "
                         "at five seeds near 27 minutes on two cores, 3534 near 36)")
@@ -186,6 +186,13 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--arrivals", default="poisson", help="one cell: poisson, gamma or square")
     p.add_argument("--shape", type=float, default=0.5, help="one cell: gamma shape (below 1 is bursty)")
     p.add_argument("--budget-share", type=float, default=0.0, help="one cell: share of requests with a budget")
+    p.add_argument("--model", help="one cell: every request names this pool model (default: the routing alias)")
+    p.add_argument("--slos", default="",
+                   help="one cell: end-to-end SLO mix as SECONDS:SHARE pairs, e.g. 25:0.5,300:0.5 (the rest: none); "
+                        "requests with an SLO of 60 s or more do not stream")
+    p.add_argument("--tpot-slo-ms", type=float, help="one cell: every request's time-per-output-token bound")
+    p.add_argument("--mega-share", type=float, default=0.0,
+                   help="one cell: share of mega prompts (3,000 prompt and 1,000 answer tokens: QLM's W_C)")
     p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
 
     p = sub.add_parser("calibrate", help="check the simulated world against the paper's testbed: target vs achieved")
@@ -193,6 +200,23 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--requests", type=int, default=3534, help="held-out prompts per cell (paper: 3,534)")
     p.add_argument("--seeds", type=int, default=1, help="arrival seeds per cell (figures are their mean)")
     p.add_argument("--workers", type=int, default=2, help="worker processes")
+
+    p = sub.add_parser("train-policy", help="train a learned routing policy in the simulator and export it "
+                                            "(qos-rl: soft actor-critic -> ONNX; needs the [train] extra)")
+    p.add_argument("policy", choices=("qos-rl",), help="the policy to train")
+    p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
+    p.add_argument("--out", type=Path, default=Path("models/qos_rl"), help="where actor.onnx and its files go")
+    p.add_argument("--seed", type=int, default=0, help="seed of the networks, the episodes and the replay")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="wall-clock seconds of collecting and learning (evaluation and export come on top)")
+    p.add_argument("--gain", choices=("eq16", "credited"), default="credited",
+                   help="the reward's QoS term: eq16, the paper's (QoS completed since the last decision), or "
+                        "credited (each request's own QoS, to its own decision)")
+    p.add_argument("--penalty", choices=("eq16", "marginal"), default="marginal",
+                   help="its impact term: eq16, the paper's (every running request on the chosen instance "
+                        "predicted to miss its bound), or marginal (only those the action pushes over)")
+    p.add_argument("--demo-episodes", type=int, default=12,
+                   help="episodes of the qos heuristic's decisions the actor first imitates (0: SAC from scratch)")
 
     p = sub.add_parser("keys", help="API keys: add one (printed once, only its hash stored), list spend per key")
     keys = p.add_subparsers(dest="keys_command", required=True)
@@ -222,6 +246,27 @@ def cmd_train(args) -> int:
     manifest = build(config, out, workload=args.workload, trace_files=args.traces)
     print(format_report(manifest))
     print(f"artefacts in {out}/")
+    return 0
+
+
+def cmd_train_policy(args) -> int:
+    from gateway.config import load_config
+
+    try:
+        from gateway.sim.qos_rl_train import TrainSettings, main
+    except ImportError as e:
+        print(f"error: training needs PyTorch ({e}): pip install 'routebalance-gateway[train]'", file=sys.stderr)
+        return 2
+    command = (f"routebalance train-policy {args.policy} --seed {args.seed} --budget-s {args.budget_s:g} "
+               f"--gain {args.gain} --penalty {args.penalty} --demo-episodes {args.demo_episodes}")
+    settings = TrainSettings(seed=args.seed, budget_s=args.budget_s, gain=args.gain, penalty=args.penalty,
+                             demo_episodes=args.demo_episodes)
+    result = main(load_config(args.config), settings, args.out, command)
+    m = result.meta
+    print(f"{m['episodes']} episodes, {m['env_steps']} decisions, {m['updates']} updates in {m['training_s']:.0f} s; "
+          f"evaluation QoS {m['start_eval_qos']:.4f} -> {m['best_eval_qos']:.4f} (episode {m['best_episode']}; "
+          f"the qos heuristic: {m['heuristic_eval_qos']:.4f})")
+    print(f"actor in {result.out_dir}/actor.onnx, learning curve in {result.out_dir}/learning_curve.csv")
     return 0
 
 
@@ -270,7 +315,9 @@ def cmd_sim(args) -> int:
     w = load_config(args.config).weights(args.preset)
     spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
                     ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
-                    budget_share=args.budget_share)
+                    budget_share=args.budget_share, model=args.model, slos=_slo_mix(args.slos),
+                    tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
+                    mega_share=args.mega_share, stream_below_s=60.0)
     seeds = [args.seed] if args.seeds is None else list(range(args.seeds))
     result = run_seeded([Cell(args.policy, args.preset, spec)], str(args.config), args.requests, seeds=seeds,
                         workers=min(args.workers, len(seeds)), workload=args.workload)
@@ -278,9 +325,24 @@ def cmd_sim(args) -> int:
     return 0
 
 
+def _slo_mix(text: str) -> tuple[tuple[float, float], ...]:
+    """`25:0.5,300:0.5` -> ((25.0, 0.5), (300.0, 0.5))."""
+    mix = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        seconds, sep, share = item.partition(":")
+        try:
+            mix.append((float(seconds), float(share)))
+        except ValueError:
+            raise ValueError(f"--slos: {item!r} is not SECONDS:SHARE") from None
+        if not sep:
+            raise ValueError(f"--slos: {item!r} is not SECONDS:SHARE")
+    return tuple(mix)
+
+
 def _sim_sweep(args) -> int:
+    from gateway.sim.catalog import PAIRS, SWEEPS
     from gateway.sim.plots import plot_sweep, require_matplotlib
-    from gateway.sim.sweeps import PAIRS, SWEEPS, estimate_seconds, run_seeded, write_sweep
+    from gateway.sim.sweeps import estimate_seconds, run_seeded, write_sweep
 
     require_matplotlib()  # before the sweep's minutes, not after
     if args.sweep not in SWEEPS:
@@ -309,22 +371,36 @@ def _sim_sweep(args) -> int:
 
 
 def format_rows(rows: list[dict]) -> str:
-    """A compact text table of a sweep's main figures (± half the 95% interval where there is one)."""
+    """A compact text table of a sweep's main figures (± half the 95% interval where there is one).
+    The SLO columns appear when some row's requests carry that SLO (the figure is not NaN)."""
+    extra = [(name, title, fmt, width) for name, title, fmt, width, gate in SLO_COLUMNS
+             if any(gate in r and r[gate] == r[gate] for r in rows)]
     head = (f"{'system':<12} {'label':<38} {'req/s':>5} {'quality':>15} {'E2E':>14} {'p99':>7} {'thru':>6} "
-            f"{'cost':>9} {'refused':>7} {'resid':>6}")
+            f"{'cost':>9} {'refused':>7} {'resid':>6}" + "".join(f" {title:>{w}}" for _, title, _, w in extra))
     lines = [head]
     for r in rows:
         lines.append(f"{r['system']:<12} {r['label'][:38]:<38} {r['rate']:>5g} {_pm(r, 'quality', '.4f'):>15} "
                      f"{_pm(r, 'e2e_mean', '.2f') + 's':>14} {r['e2e_p99']:>6.1f}s {r['throughput']:>6.2f} "
-                     f"{r['cost_mean']:>9.2e} {r.get('refused', 0.0):>7.1%} {1000 * r['residual_mean']:>4.0f}ms")
+                     f"{r['cost_mean']:>9.2e} {r.get('refused', 0.0):>7.1%} {1000 * r['residual_mean']:>4.0f}ms"
+                     + "".join(f" {_pm(r, name, fmt):>{w}}" for name, _, fmt, w in extra))
     return "\n".join(lines)
+
+
+# (figure, column title, format, width, gate): format_rows shows the column when some row's gate figure
+# is a number, i.e. its requests carry that SLO (end to end: slo_attainment; time per token: qos)
+SLO_COLUMNS = (("slo_attainment", "SLO met", ".3f", 13, "slo_attainment"), ("qos", "QoS", ".4f", 15, "qos"),
+               ("tpot_mean", "TPOT (s)", ".4f", 15, "qos"))
 
 
 def format_pairs(pairs: list[dict]) -> str:
     """A text table of a sweep's paired comparisons: A - B with its paired 95% interval."""
-    lines = [f"{'A - B':<58} {'quality':>27} {'mean E2E (s)':>27}"]
+    columns = [("quality", "quality", "+.4f"), ("e2e_mean", "mean E2E (s)", "+.2f"),
+               ("slo_attainment", "SLO attainment", "+.3f"), ("qos", "QoS", "+.4f")]
+    shown = [c for c in columns if any(f"{c[0]}_diff" in p for p in pairs)]
+    lines = [f"{'A - B':<58} " + " ".join(f"{title:>27}" for _, title, _ in shown)]
     for p in pairs:
-        lines.append(f"{p['pair'][:58]:<58} {_diff(p, 'quality', '+.4f'):>27} {_diff(p, 'e2e_mean', '+.2f'):>27}")
+        lines.append(f"{p['pair'][:58]:<58} " + " ".join(
+            f"{_diff(p, name, fmt) if f'{name}_diff' in p else '':>27}" for name, _, fmt in shown))
     return "\n".join(lines)
 
 
@@ -430,7 +506,8 @@ def cmd_policies(args) -> int:
     return 0
 
 
-OFFLINE = {"train": cmd_train, "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim, "policies": cmd_policies,
+OFFLINE = {"train": cmd_train, "train-policy": cmd_train_policy,
+           "profile": cmd_profile, "bench": cmd_bench, "sim": cmd_sim, "policies": cmd_policies,
            "keys": cmd_keys, "calibrate": cmd_calibrate}
 
 

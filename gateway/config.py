@@ -225,6 +225,8 @@ class Scheduler(Section):
     # Merged over DEFAULT_PRESETS: a config adds or overrides presets but the
     # four documented ones (the API's contract) are always there.
     presets: Mapping[str, Weights] = option(factory=lambda: DEFAULT_PRESETS)
+    # Preset -> the policy its requests use when they name none (a preset not listed: `policy`).
+    preset_policies: Mapping[str, str] = option(factory=lambda: types.MappingProxyType({}))
 
     def _validate(self) -> None:
         if self.policy not in registry.names():
@@ -233,6 +235,17 @@ class Scheduler(Section):
         if self.preset not in self.presets:
             known = ", ".join(self.presets)
             raise ConfigError(f"unknown preset {self.preset!r} (known: {known})", "preset")
+        for preset, policy in self.preset_policies.items():
+            if preset not in self.presets:
+                raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(self.presets)})",
+                                  f"preset_policies.{preset}")
+            if policy not in registry.names():
+                raise ConfigError(f"unknown policy {policy!r} (known: {', '.join(registry.names())})",
+                                  f"preset_policies.{preset}")
+
+    def policy_for(self, preset: str) -> str:
+        """The policy of a request that names none and runs with `preset`."""
+        return self.preset_policies.get(preset, self.policy)
 
 
 @section

@@ -59,6 +59,8 @@ class GatewayMetrics:
                            "and result", ("policy", "slo_class", "result"), registry=r)
         self.tpot_slo = Counter("routebalance_tpot_slo_requests", "Requests with a time-per-output-token bound, "
                                 "by policy and result", ("policy", "result"), registry=r)
+        self.evictions = Counter("routebalance_evictions", "Attempts the policy aborted to serve a tighter SLO first "
+                                 "(the request went again later)", registry=r)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 

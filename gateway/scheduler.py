@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class Scheduler:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="scheduler")
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self._aborts: dict[Ticket, Callable[[], bool]] = {}  # dispatched tickets -> abort their attempt
         store.subscribe(self._on_config)
 
     def _on_config(self, cfg: Config) -> None:
@@ -93,6 +95,41 @@ class Scheduler:
         if self.core.held:
             self.wakeup.set()
 
+    def evictable(self, ticket: Ticket, abort: Callable[[], bool] | None) -> None:
+        """How to abort the ticket's running attempt (None: it has none): abort() is False when it
+        is too late (the client has bytes of the answer)."""
+        if abort is None:
+            self._aborts.pop(ticket, None)
+        else:
+            self._aborts[ticket] = abort
+
+    async def redecided(self, ticket: Ticket, config: Config) -> None:
+        """Wait until an evicted request is released again (503 after `batching.max_wait_s`)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(ticket.handle, config.batching.max_wait_s)
+        except TimeoutError:
+            self.core.withdraw(ticket, loop.time())
+            self.metrics.rejected.labels("overloaded").inc()
+            raise ApiError(503, f"the gateway could not schedule the request again within "
+                                f"{config.batching.max_wait_s:g} s after evicting it; retry shortly",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        refused = ticket.decision.refused if ticket.decision else None
+        if refused is not None:
+            raise refusal_error(refused)
+
+    def _evict(self, cfg: Config, now: float) -> None:
+        """Abort the attempts the policies evict; each request waits in the gateway to go again."""
+        for ticket in self.core.evictions(cfg, now):
+            abort = self._aborts.pop(ticket, None)
+            if abort is None:
+                continue
+            ticket.handle = asyncio.get_running_loop().create_future()  # before abort: its release may come first
+            if abort():
+                self.core.requeue(ticket, now)
+            else:
+                ticket.handle.set_result(None)  # too late: it goes on where it is
+
     def warm_up(self, request: RouteRequest) -> Refusal | None:
         """Build the serving policy and make one decision before serving, so the first requests
         do not pay for lazy loading. The decision runs on a scratch loop: the policies that serve
@@ -116,6 +153,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         cfg = self.store.current
         now = loop.time()
+        if self._aborts:
+            self._evict(cfg, now)
         for ticket in self.core.release_held(now):
             _wake(ticket)
         limit = self.core.limit(cfg, now)

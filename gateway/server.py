@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.access import Access, check_admin, json_posts_only, preset_for
+from gateway.access import Access, check_admin, json_posts_only, request_preset
 from gateway.accounting import RequestSpend, worst_case_usd
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
@@ -58,6 +58,7 @@ class Attempt:
     index: int | None = None  # the instance's index in the decision's config
     status: int = 500
     result: RelayResult = field(default_factory=RelayResult)
+    evicted: bool = False  # the scheduler is aborting this attempt to serve the request again later
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -107,8 +108,13 @@ def resolve_weights(cfg: Config, routing, key: ApiKey | None = None) -> tuple[fl
     """Per-request weights, else the request's preset, else the configured one (or one its key allows)."""
     if routing.weights is not None:
         return routing.weights
-    w = cfg.weights(preset_for(key, routing.preset, cfg.scheduler.preset) or cfg.scheduler.preset)
+    w = cfg.weights(request_preset(cfg, routing, key))
     return (w.quality, w.latency, w.cost)
+
+
+def resolve_policy(cfg: Config, routing, key: ApiKey | None = None) -> str:
+    """The request's own policy, else its preset's (`[scheduler.preset_policies]`), else the configured one."""
+    return routing.policy or cfg.scheduler.policy_for(request_preset(cfg, routing, key))
 
 
 def open_spend_ledger(cfg: Config) -> SpendLedger:
@@ -213,7 +219,7 @@ class Gateway:
             req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
                                    policies=registry.names(), max_slo_s=cfg.slo.max_s)
             self.access.permit(key, req, loop.time())
-            policy = req.routing.policy or cfg.scheduler.policy
+            policy = resolve_policy(cfg, req.routing, key)
             slo = SloCheck(*resolve_slo(cfg, req.routing, key), start, loop.time, cfg.slo.classes)
             candidates = candidates_for(cfg, req.model)
             if key is not None and self.spend is None:  # keys without their ledger: fail closed
@@ -308,6 +314,35 @@ class Gateway:
 
     async def _dispatch(self, request, cfg: Config, req: CompletionRequest, ticket: Ticket, attempt: Attempt,
                         spend: RequestSpend, route: str, slo: SloCheck):
+        """Serve the request on its decision; if its policy evicts it before the client saw a byte
+        (see Policy.evict), the attempt is aborted and the request waits in the gateway to go again."""
+        loop = asyncio.get_running_loop()
+        while True:
+            run = loop.create_task(self._attempts(request, cfg, req, ticket, attempt, spend, route, slo))
+
+            def abort(run=run) -> bool:
+                """The scheduler evicts the request: only while nothing of the answer went out."""
+                if run.done() or attempt.result.first_byte_s is not None:
+                    return False
+                attempt.evicted = True
+                run.cancel()
+                return True
+
+            self.scheduler.evictable(ticket, abort)
+            try:
+                return await run
+            except asyncio.CancelledError:
+                if not attempt.evicted or not run.cancelled():
+                    raise  # the client left
+            finally:
+                self.scheduler.evictable(ticket, None)
+                run.cancel()  # the handler itself was cancelled: its attempt goes too
+            attempt.evicted = False
+            self.metrics.evictions.inc()
+            await self.scheduler.redecided(ticket, cfg)
+
+    async def _attempts(self, request, cfg: Config, req: CompletionRequest, ticket: Ticket, attempt: Attempt,
+                        spend: RequestSpend, route: str, slo: SloCheck):
         """Send the request to its instance; before the first byte, retry on the next-ranked ones.
         Each attempt is reserved against the key before it goes and paid for when it ends."""
         loop = asyncio.get_running_loop()
@@ -390,6 +425,8 @@ class Gateway:
                 if not e.retry:
                     break
             finally:
+                if attempt.evicted:  # aborted by the gateway before any answer: its prompt was read
+                    cost = costing.cost(routed.input_tokens, 0)
                 # Unknown (the client left before a non-streamed answer came): all the attempt was allowed.
                 spend.pay(cost if cost is not None else worst)
         if failure is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.access import preset_for
+from gateway.access import request_preset
 from gateway.config import ApiKey, Config
 from gateway.scheduling.slo import slo_class, slo_met, tpot_met
 
@@ -22,8 +22,7 @@ def resolve_slo(cfg: Config, routing, key: ApiKey | None) -> tuple[float | None,
     if slo_s is None and key is not None:
         slo_s = key.slo_s
     if slo_s is None:
-        preset = preset_for(key, routing.preset, cfg.scheduler.preset) or cfg.scheduler.preset
-        slo_s = cfg.slo.presets.get(preset)
+        slo_s = cfg.slo.presets.get(request_preset(cfg, routing, key))
     tpot_ms = routing.tpot_slo_ms
     if tpot_ms is None and key is not None:
         tpot_ms = key.tpot_slo_ms

@@ -19,6 +19,7 @@ from gateway.cli import start_emulator, start_gateway
 from gateway.config import ConfigStore, default_config_path, load_config
 from gateway.estimators.build import ensure_built
 from gateway.estimators.bundle import Estimators
+from gateway.sim.evalset import ComputeCost
 
 RECORDS = 2000  # a small synthetic training set: the whole suite shares one build of it
 ADMIN_TOKEN = "test-admin-token"
@@ -105,6 +106,18 @@ def built(tmp_path_factory):
     cfg = small_config(tmp_path_factory.mktemp("models"))
     manifest = ensure_built(cfg)
     return cfg, manifest, Estimators.load(cfg)
+
+
+# The scheduler's compute per batch as measured on a quiet 2-core machine (gateway/sim/evalset.py measures
+# it when it builds an evaluation set, so a set built while other work loads the cores charges more).
+STEADY_COST = ComputeCost(estimate_fixed_s=0.0025, estimate_per_request_s=0.0115, score_fixed_s=0.0041,
+                          score_per_request_s=0.00064, plain_score_fixed_s=5e-5, plain_score_per_request_s=2.9e-5)
+
+
+def steady(evalset):
+    """The evaluation set with STEADY_COST: a simulated test's outcome must not depend on how busy the
+    machine was when its set was built."""
+    return dataclasses.replace(evalset, cost=STEADY_COST)
 
 
 def pool_config(tmp: Path, models_dir: str | None = None, **overrides) -> Path:

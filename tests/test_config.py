@@ -88,7 +88,8 @@ def test_default_file_spells_out_the_code_defaults():
     implied = parse_config({"instances": [minimal_instance()]})
     for section in ("server", "upstream", "scheduler", "batching", "telemetry", "emulator"):
         assert getattr(written, section) == getattr(implied, section), section
-    assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route"}
+    assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route", "qlm", "edf", "qos",
+                                     "qos_rl"}
     for table in written.policies:
         assert written.options(table) == implied.options(table), table
 
@@ -317,6 +318,19 @@ def test_unknown_preset():
     data["scheduler"]["preset"] = "cheapest"
     err = error_of(data)
     assert err.key == "scheduler.preset" and "'cheapest'" in err.reason
+
+
+def test_preset_policies_name_known_presets_and_policies():
+    data = default_data()
+    data["scheduler"]["preset_policies"] = {"latency": "qlm"}
+    cfg = parse_config(data, "test.toml")
+    assert cfg.scheduler.policy_for("latency") == "qlm" and cfg.scheduler.policy_for("uniform") == "routebalance"
+    data["scheduler"]["preset_policies"] = {"fastest": "qlm"}
+    err = error_of(data)
+    assert err.key == "scheduler.preset_policies.fastest" and "'fastest'" in err.reason
+    data["scheduler"]["preset_policies"] = {"latency": "qlmm"}
+    err = error_of(data)
+    assert err.key == "scheduler.preset_policies.latency" and "'qlmm'" in err.reason
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8101", "ftp://h:1", "http://", "http://h:1/v1"])

@@ -11,6 +11,7 @@ from gateway.estimators.build import ensure_built, read_manifest, verify
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
+from gateway.estimators.qos_actor import QosActor
 from gateway.scheduling.request import Estimates
 
 log = logging.getLogger(__name__)
@@ -68,3 +69,8 @@ class Estimators:
         quality = np.column_stack([est.quality[:, column[i.model]] if i.model in column else mean_q for i in instances])
         length = np.column_stack([est.length[:, column[i.model]] if i.model in column else mean_len for i in instances])
         return Estimates(quality, length, embeddings)
+
+    @staticmethod
+    def qos_actor(path: str | Path) -> QosActor:
+        """The qos-rl policy's ONNX actor (the core cannot import onnxruntime, so its policy asks here)."""
+        return QosActor(path)

@@ -211,33 +211,42 @@ class SchedulingLoop:
         batch's view counts it. Returns the tickets to hand back now: ready to dispatch, or
         refused (`ticket.decision.refused`); the held ones come later from `release_held`."""
         out = []
+        views: dict[int, PoolView] = {}  # for `hold`: one per config, dead-reckoned as requests are booked
         for ticket, (d, policy) in zip(batch, decided, strict=True):
             ticket.decision, ticket.decided_by = d, policy
-            if d.refused is None and policy is not None and policy.overrides("hold") and self._held(ticket, now):
-                self.held.append(ticket)
-                continue
+            if d.refused is None and policy is not None and policy.overrides("hold"):
+                view = views.get(id(ticket.config))
+                if view is None:
+                    view = views[id(ticket.config)] = self.view(ticket.config, now)
+                if self._held(ticket, view):
+                    self.held.append(ticket)
+                    continue
             if ticket.decision.refused is None:
-                self._book_first(ticket, now)
+                self._book_first(ticket, now, views.get(id(ticket.config)))
             out.append(ticket)
         return out
 
     def release_held(self, now: float) -> list[Ticket]:
         """The held requests whose policy lets them go now, booked: ready to dispatch (or refused)."""
         out = []
+        views: dict[int, PoolView] = {}  # one per config, dead-reckoned as requests go
         for ticket in list(self.held):
-            if self._held(ticket, now):
+            view = views.get(id(ticket.config))
+            if view is None:
+                view = views[id(ticket.config)] = self.view(ticket.config, now)
+            if self._held(ticket, view):
                 continue
             self.held.remove(ticket)
             if ticket.decision is not None and ticket.decision.refused is None:
-                self._book_first(ticket, now)
+                self._book_first(ticket, now, view)
             out.append(ticket)
         return out
 
-    def _held(self, ticket: Ticket, now: float) -> bool:
+    def _held(self, ticket: Ticket, view: PoolView) -> bool:
         """Does the ticket's policy keep it in the gateway now? A policy that places it anew
         changes its decision; one that fails refuses it."""
         try:
-            verdict = ticket.decided_by.hold(ticket, self.view(ticket.config, now))
+            verdict = ticket.decided_by.hold(ticket, view)
         except Exception as e:
             log.exception("policy %s failed in `hold`", ticket.request.policy)
             ticket.decision = Decision((), refused=_policy_error("hold", e))
@@ -262,7 +271,7 @@ class SchedulingLoop:
             except Exception:
                 log.exception("policy %s failed in `evict`", policy.name)
                 continue
-            out += [t for t in victims if t.booked_on is not None and t.decided_by is policy and evictable(t)
+            out += [t for t in victims if t.booked_on is not None and t.decided_by is policy and t.evictable
                     and t not in out]
         return out
 
@@ -272,10 +281,14 @@ class SchedulingLoop:
         ticket.evictions += 1
         self.held.append(ticket)
 
-    def _book_first(self, ticket: Ticket, now: float) -> None:
+    def _book_first(self, ticket: Ticket, now: float, view: PoolView | None = None) -> None:
+        """Book the request on its first dispatch plan (and on `view`, a working copy other requests
+        of the same round are judged on)."""
         first = next(self.plans(ticket, now), None)
         if first is not None:
             self._book(ticket, first.instance, now)
+            if view is not None and ticket.decision is not None:
+                view.dispatched(first.instance, ticket.decision.tokens or 0.0, ticket.request.input_tokens)
 
     def plans(self, ticket: Ticket, now: float) -> Iterator[DispatchPlan]:
         """The attempts for a decided request, best first, with its own budget (see `plan`)."""
@@ -369,12 +382,6 @@ class SchedulingLoop:
             getattr(policy, hook)(*args)
         except Exception:
             log.exception("policy %s failed in `%s`", policy.name, hook)
-
-
-def evictable(ticket: Ticket) -> bool:
-    """Its client has seen no byte of the answer, so an abort and a second attempt stay invisible;
-    a budgeted request is never evicted (its aborted attempt would eat its budget)."""
-    return not (ticket.streaming and ticket.first_token_at is not None) and ticket.request.budget_usd is None
 
 
 def _checked(d: Decision, ticket: Ticket) -> Decision:

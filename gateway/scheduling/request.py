@@ -67,6 +67,7 @@ class Decision:
     latency_s: float | None = None
     tokens: float | None = None
     refused: Refusal | None = None
+    detail: Any = None  # what the deciding policy keeps of its decision for its later hooks
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +110,9 @@ class Ticket:
     booked_on: str | None = None  # the instance it is entered under in the pool ledger
     first_token_at: float | None = None  # when its first answer token came back (a stream's client saw it)
     evictions: int = 0  # times a policy aborted its attempt and held it again
+
+    @property
+    def evictable(self) -> bool:
+        """Its client has seen no byte of the answer, so an abort and a second attempt stay invisible;
+        a budgeted request is never evicted (its aborted attempt would eat its budget)."""
+        return not (self.streaming and self.first_token_at is not None) and self.request.budget_usd is None

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,3 +210,15 @@ def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:
         slope = max((b - a) / 15, 0.0)
         fitted += [max(a - slope, 0.0), slope]
     return ComputeCost(*fitted)
+
+
+def subset(cfg, evalset: EvalSet, names: Sequence[str]):
+    """(config, evaluation set) of the pool made of the named instances, in the config's order."""
+    keep = [k for k, inst in enumerate(cfg.instances) if inst.name in set(names)]
+    if len(keep) != len(set(names)):
+        raise ValueError(f"unknown instances in {sorted(set(names) - {i.name for i in cfg.instances})}")
+    idx = np.array(keep, dtype=np.int64)
+    ev = dataclasses.replace(evalset, label_score=evalset.label_score[:, idx],
+                             label_length=evalset.label_length[:, idx], quality=evalset.quality[:, idx],
+                             length=evalset.length[:, idx])
+    return dataclasses.replace(cfg, instances=tuple(cfg.instances[k] for k in keep)), ev

@@ -217,6 +217,56 @@ def robustness(rows: list[dict], out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "robustness.png")]
 
 
+def slo_bars(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
+    """SLO attainment and mean E2E of each system per workload and load (the SLO sweeps)."""
+    fig, axes = _pyplot().subplots(1, 2, figsize=(15, 5))
+    groups = list(dict.fromkeys(f"{r['workload']}\n@{r['rate']:g} req/s" for r in rows))
+    systems = list(dict.fromkeys(r["label"] for r in rows))
+    width = 0.8 / len(systems)
+    for k, label in enumerate(systems):
+        rs = {f"{r['workload']}\n@{r['rate']:g} req/s": r for r in rows if r["label"] == label}
+        xs = [g + (k - (len(systems) - 1) / 2) * width for g, c in enumerate(groups) if c in rs]
+        present = [rs[c] for c in groups if c in rs]
+        for ax, figure in ((axes[0], "slo_attainment"), (axes[1], "e2e_mean")):
+            ax.bar(xs, [r[figure] for r in present], width, yerr=_err(present, figure), capsize=3,
+                   color=f"C{k % 10}", label=label)
+    for ax, ylabel in ((axes[0], "SLO attainment"), (axes[1], "mean E2E (s)")):
+        ax.set_xticks(range(len(groups)), groups, fontsize=8)
+        ax.set(ylabel=ylabel)
+    axes[0].set(title="share of requests served within their SLO (95% intervals)")
+    axes[0].set_ylim(bottom=min((r["slo_attainment"] for r in rows), default=0) * 0.9, top=1.0)
+    axes[1].set(title="mean end-to-end latency")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(systems), 4), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return [_save(fig, out_dir / f"{name}.png")]
+
+
+def qos_curves(rows: list[dict], out_dir: Path) -> list[Path]:
+    """The QoS sweep: mean QoS against pool size N (at the headline bound) and against the bound L
+    (at the headline N), per system, Poisson and bursty arrivals side by side."""
+    from gateway.sim.qos_eval import HEADLINE_MS, HEADLINE_N
+
+    arrivals = list(dict.fromkeys(r["arrivals"] for r in rows))
+    fig, axes = _pyplot().subplots(2, len(arrivals), figsize=(6.5 * len(arrivals), 9), squeeze=False)
+    systems = list(dict.fromkeys(r["label"] for r in rows))
+    for col, arr in enumerate(arrivals):
+        for k, label in enumerate(systems):
+            mine = [r for r in rows if r["label"] == label and r["arrivals"] == arr]
+            style = STYLES[0] if label.startswith("qos") else STYLES[1]
+            _band(axes[0][col], [r for r in mine if r["tpot_slo_ms"] == HEADLINE_MS], "n", "qos", f"C{k % 10}",
+                  style, label)
+            _band(axes[1][col], [r for r in mine if r["n"] == HEADLINE_N], "tpot_slo_ms", "qos", f"C{k % 10}",
+                  style, label)
+        axes[0][col].set(title=f"{arr}: L = {HEADLINE_MS:g} ms", xlabel="instances N", ylabel="mean QoS")
+        axes[1][col].set(title=f"{arr}: N = {HEADLINE_N}", xlabel="bound L on time per output token (ms)",
+                         ylabel="mean QoS")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(systems), 6), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return [_save(fig, out_dir / "qos.png")]
+
+
 def _condition(row: dict) -> str:
     """The arrival process, and which tiers were down, on two lines (x tick labels)."""
     if not row.get("down"):
@@ -243,4 +293,8 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
         return budget(rows, out_dir)
     if name == "robustness":
         return robustness(rows, out_dir)
+    if name == "qlm":
+        return slo_bars(rows, out_dir, name)
+    if name == "qos":
+        return qos_curves(rows, out_dir)
     return []

@@ -7,6 +7,8 @@ written as CSV and JSON with 95% intervals, and paired comparisons of chosen cel
     routebalance sim --sweep batching          # paper Fig. 4: LPT, adaptive windows, fixed batch sizes
     routebalance sim --sweep robustness        # tier loss, gamma-bursty and square-wave arrivals
 
+(gateway/sim/catalog.py names every sweep, these and the SLO-aware policies' own.)
+
 A cell is (system, knobs, arrival process). Every cell runs on seeds
 0..S-1: the seed changes the arrival times and which requests carry a
 budget, never the prompts, and every cell of a sweep replays the same prompts
@@ -289,19 +291,14 @@ def robustness_pairs(cells: Sequence[Cell]) -> list[Pair]:
                          {"system": "passthrough", "down": BIGGEST})]
 
 
-SWEEPS: dict[str, Callable[[int], list[Cell]]] = {"frontier": frontier, "arms": arms, "budget": budget,
-                                                   "batching": batching, "robustness": robustness}
-PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
-    "frontier": frontier_pairs, "arms": arms_pairs, "budget": budget_pairs, "batching": batching_pairs,
-    "robustness": robustness_pairs}
-
-
 # ---- what a sweep costs ------------------------------------------------------------------------
 
 # CPU seconds per simulated request of one run (3,534-request cells at 6 to 30 req/s, this 2-core machine).
 # RouteBalance charges its XGBoost TPOT heads per batch (6 to 14 s a cell); without them, and for the
 # pipeline baselines, a cell is mostly the engine model (1.2 to 3.7 s).
-SECONDS_PER_REQUEST = {"heads": 9.0 / 3534, "plain": 2.0 / 3534}
+# QLM and EDF plan their held requests as they go: about 5 s a cell of 2,500 under overload, EDF
+# (a group per request) about twice that.
+SECONDS_PER_REQUEST = {"heads": 9.0 / 3534, "plain": 2.0 / 3534, "qlm": 5.0 / 2500, "edf": 10.0 / 2500}
 RUN_OVERHEAD_S = 0.15  # per run: the cell's config and policy (a baseline fits its router), the engines
 INTERVALS_S = 0.4  # per cell, in the main process once the runs are in: the bootstrap of its figures
 START_S = 20.0  # the workers load the estimators and the evaluation set
@@ -309,7 +306,8 @@ START_S = 20.0  # the workers load the estimators and the evaluation set
 
 def run_seconds(cell: Cell, requests: int) -> float:
     """Expected seconds of one run of the cell (on a core of its own)."""
-    per_request = SECONDS_PER_REQUEST["heads" if _uses_heads(cell) else "plain"]
+    kind = cell.spec.policy if cell.spec.policy in SECONDS_PER_REQUEST else "heads" if _uses_heads(cell) else "plain"
+    per_request = SECONDS_PER_REQUEST[kind]
     return RUN_OVERHEAD_S + per_request * min(requests, cell.spec.requests)
 
 
@@ -371,9 +369,12 @@ def _identity(cell: Cell) -> dict:
 def run_seed(task: tuple[Cell, int]) -> tuple[dict, RequestArrays]:
     """One run of a cell on one arrival seed: its row of figures and its per-request outcomes."""
     cell, seed = task
-    cfg, est = _WORKER["cfg"], _WORKER["est"]
-    result = run_cell(configured(cfg, cell.config_changes), _WORKER["evalset"],
-                      dataclasses.replace(cell.spec, seed=seed), est)
+    cfg, est, evalset = _WORKER["cfg"], _WORKER["est"], _WORKER["evalset"]
+    if "instances" in cell.tags:  # a cell on part of the pool (the QoS sweep's N-instance pools)
+        from gateway.sim.evalset import subset
+
+        cfg, evalset = subset(cfg, evalset, cell.tags["instances"].split(","))
+    result = run_cell(configured(cfg, cell.config_changes), evalset, dataclasses.replace(cell.spec, seed=seed), est)
     row = {**_identity(cell), "seed": seed, **summarise(result.outcomes, result.models),
            "batch_mean": sum(result.batches) / max(len(result.batches), 1)}
     return row, RequestArrays.of(result.outcomes, result.models)

@@ -1,0 +1,425 @@
+"""QLM (papers/qlm-queue-management.txt): SLO-aware queue management at the gateway; and its EDF baseline.
+
+What QLM does here, operation by operation (sections 4-7):
+- Request groups: requests that share their candidate instances (the model
+  they asked for), SLO class and predicted answer length (a power-of-two
+  bucket) form a group, FCFS inside; a group holds at most `max_group`
+  requests (the paper's delta x batch size). Plans are made per group.
+- Virtual queues: one per instance, an ordered list of groups. The RCT
+  estimator (scheduling/rct.py) gives each group's completion time as a
+  distribution; the plan generator (scheduling/qlm_plan.py) places and orders
+  the groups to meet as many SLOs as it can, preferring the best-answering
+  model that still meets a group's SLO.
+- Request pulling (`hold`): a request stays in the gateway until it heads its
+  instance's virtual queue and the instance runs fewer than its cap (the
+  batch at which a decode step is `slowdown` x a lone one) with nothing
+  waiting in vLLM's own queue: the order QLM chose is the order served.
+- Eviction (`evict`): when the head of a queue would miss its SLO waiting for
+  a slot but would meet it starting now, a running request of the same
+  instance with slack to spare, whose client has seen nothing yet (not
+  streamed, or before its first token), is aborted and queued again.
+- Model swapping, GPU-CPU state swap and warm start need control of the
+  engine that stock vLLM does not give a gateway; they are not done here.
+
+`edf` is the paper's EDF baseline on the same machinery: requests pulled in
+deadline order, each on the instance where it finishes soonest; no groups,
+no deferral of hopeless requests, no eviction.
+
+Requests without an SLO are planned as if their deadline were `no_slo_s`
+away. A request whose SLO no candidate can meet even on an idle instance is
+refused (503, `slo_infeasible`) or served best-effort, per `on_infeasible`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from gateway.config_schema import Section, build_section, option, section
+from gateway.engine.profiles import spec_for_instance
+from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
+from gateway.scheduling.qlm_plan import GroupView, choose, greedy_plan, soonest
+from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length
+from gateway.scheduling.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
+from gateway.scheduling.view import PoolView
+
+PROFILE_MIN_SEEN = 5  # answers of a kind before the workload profile corrects the estimators
+
+# What one plan costs the simulated scheduler per group and instance considered (measured: see README).
+PLAN_S_PER_GROUP_INSTANCE = 2e-5
+
+
+@section
+class QlmOptions(Section):
+    """[policies.qlm]: QLM's knobs and the switches of its ablation."""
+
+    # A group meets its SLO when P(completion <= deadline) >= confidence (the paper's Delta).
+    confidence: float = option(0.9, gt=0, le=1)
+    # Groups that cannot meet their SLO with this probability anywhere go to the back of the queues.
+    floor: float = option(0.05, ge=0, le=1)
+    # An instance takes requests while its decode step stays within slowdown x a lone step.
+    slowdown: float = option(2.0, gt=1)
+    max_group: int = option(32, ge=1)  # requests per group: delta (4) x a batch of 8
+    length_cv: float = option(0.5, ge=0)  # answer length spread, a share of the predicted mean
+    no_slo_s: float = option(3600.0, gt=0)  # the deadline a request without an SLO is planned with
+    on_infeasible: Literal["refuse", "serve"] = "refuse"
+    # The ablation: switch each operation off.
+    pulling: bool = True  # off: dispatch at once to the planned instance (vLLM's own queue orders)
+    eviction: bool = True
+    grouping: bool = True  # off: every request is its own group
+    max_evictions: int = option(1, ge=0)  # per request
+    # An instance whose KV cache is this full (at the last scrape) takes no more requests: they would
+    # wait in vLLM's own queue, behind whatever fills it (the mega prompts of the paper's W_C).
+    kv_limit: float = option(0.9, gt=0, le=1)
+    # The plan is made again when requests join it, and at least this often while requests are held.
+    replan_s: float = option(0.5, ge=0)
+
+
+@section
+class EdfOptions(Section):
+    """[policies.edf]: the EDF baseline's pulling cap (as QLM's) and the deadline of requests without an SLO."""
+
+    slowdown: float = option(2.0, gt=1)
+    length_cv: float = option(0.5, ge=0)
+    no_slo_s: float = option(3600.0, gt=0)
+    kv_limit: float = option(0.9, gt=0, le=1)
+
+
+@dataclass(slots=True)
+class Planned:
+    """What QLM keeps of a request it decided (Decision.detail)."""
+
+    answer_tokens: np.ndarray  # (instances,) predicted answer tokens on each
+    quality: np.ndarray  # (instances,) predicted quality on each
+    bucket: tuple[int, int]  # log2 buckets of its prompt and its predicted answer length
+
+
+@dataclass(slots=True)
+class Group:
+    key: tuple
+    members: list[Ticket] = field(default_factory=list)  # held, FCFS
+
+
+@dataclass(slots=True)
+class Running:
+    """A request this policy dispatched: where, what it is predicted to produce, how far it got."""
+
+    instance: int
+    answer_tokens: float
+    deadline: float
+    streamed: int = 0
+
+
+class Qlm(Policy):
+    name = "qlm"
+    needs_estimates = True
+
+    def __init__(self, instances: tuple, options: QlmOptions, mode: Literal["plan", "edf"] = "plan"):
+        self.mode = mode
+        self.options = options
+        self.models = [InstanceModel.of(spec_for_instance(i), options.slowdown) for i in instances]
+        self.instances = instances
+        self._lock = threading.Lock()  # assign runs in the scheduler's worker thread, the rest on the loop
+        self.groups: dict[tuple, Group] = {}
+        self.group_of: dict[Ticket, Group] = {}
+        self.running: dict[int, dict[Ticket, Running]] = {}  # instance -> what this policy runs there
+        self._order: dict[Ticket, int] = {}  # held ticket -> its planned instance
+        self._queues: dict[int, deque[Ticket]] = {}  # instance -> its held requests in planned order
+        self._loads: dict[int, QueueLoad] = {}  # instance -> its queue as the estimator saw it when planned
+        self._running_on: dict[Ticket, int] = {}
+        self._dirty = True  # requests joined since the last plan
+        self._planned_at = -math.inf
+        # Workload profile, learnt as requests complete: per (model, prompt bucket), the answer tokens
+        # seen and the ones predicted, so a kind of prompt the estimators misjudge (a mega prompt's
+        # long answer) is planned at the length it really has.
+        self._seen: dict[tuple[str, int], list[float]] = {}
+
+    # ---- option shorthands -----------------------------------------------------------
+    @property
+    def _grouping(self) -> bool:
+        return self.options.grouping
+
+    @property
+    def _pulling(self) -> bool:
+        return self.options.pulling
+
+    @property
+    def _evicting(self) -> bool:
+        return self.options.eviction
+
+    def _deadline(self, ticket: Ticket) -> float:
+        slo = ticket.request.slo_s
+        return ticket.arrived + (slo if slo is not None else self.options.no_slo_s)
+
+    # ---- deciding ------------------------------------------------------------------------
+    def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
+        if estimates is None:
+            raise ValueError(f"{self.name} needs the batch's estimates")
+        out = []
+        for r, req in enumerate(batch):
+            cands = view.usable(req.candidates)
+            answer = estimates.length[r] * self._correction(view.instances, req.input_tokens)
+            quality = estimates.quality[r]
+            planned = Planned(answer.copy(), quality.copy(),
+                              (_bucket(req.input_tokens), _bucket(float(np.mean(answer[list(cands)])))))
+            # A first placement: where the request would finish soonest if it were queued now.
+            finish = {i: completion(self.models[i], QueueLoad.empty(self.models[i], view.in_flight[i]),
+                                    length(answer[i], self.options.length_cv), req.input_tokens) for i in cands}
+            ranked = tuple(sorted(cands, key=lambda i: finish[i].mean))
+            slo = req.slo_s
+            if (slo is not None and self.options.on_infeasible == "refuse"
+                    and max(_idle(self.models[i], answer[i], self.options.length_cv, req.input_tokens).p_at_most(slo)
+                            for i in cands) < self.options.floor):
+                best = min(_idle(self.models[i], answer[i], 0.0, req.input_tokens).mean for i in cands)
+                out.append(Decision((), refused=Refusal(
+                    503, f"the SLO of {slo:g} s cannot be met: the fastest candidate needs about {best:.1f} s on an "
+                         f"idle instance", "slo_infeasible", "routing.slo_s", "slo_infeasible")))
+                continue
+            i = ranked[0]
+            out.append(Decision(ranked, quality=float(quality[i]), tokens=float(answer[i]),
+                                latency_s=finish[i].mean, detail=planned))
+        return out
+
+    # ---- pulling --------------------------------------------------------------------------
+    def hold(self, ticket: Ticket, view: PoolView) -> bool | Decision:
+        with self._lock:
+            if ticket not in self.group_of:
+                self._join(ticket)
+                if not self._grouping and self._queues:
+                    self._insert(ticket, view)  # a group of one: placed without planning the rest again
+            if self._dirty or (self.mode == "plan" and view.now - self._planned_at >= self.options.replan_s):
+                self._replan(view)  # EDF's order only changes as requests join
+            i = self._order[ticket]
+            queue = self._queues[i]
+            if self._pulling and (queue[0] is not ticket or not self._has_room(i, view)):
+                return True
+            queue.remove(ticket)  # the head, unless pulling is off
+            self._leave(ticket)
+        d = ticket.decision
+        if d is None or not d.ranked or d.ranked[0] == i:
+            return False
+        detail = _planned(ticket)
+        return Decision((i, *[j for j in d.ranked if j != i]), quality=float(detail.quality[i]),
+                        tokens=float(detail.answer_tokens[i]), detail=detail)
+
+    def _has_room(self, i: int, view: PoolView) -> bool:
+        return (bool(view.available[i]) and view.in_flight[i] < self.models[i].cap and view.waiting[i] == 0
+                and view.kv_usage[i] < self.options.kv_limit)
+
+    def _running(self, i: int, view: PoolView) -> float:
+        """Requests on instance i as the estimator counts them: a full KV cache or vLLM's own queue
+        leave no free slot, whatever the count."""
+        full = view.waiting[i] > 0 or view.kv_usage[i] >= self.options.kv_limit
+        return float(self.models[i].cap if full else view.in_flight[i])
+
+    def _join(self, ticket: Ticket) -> None:
+        req = ticket.request
+        key: tuple
+        if self._grouping:
+            base = (req.candidates, req.slo_class, _planned(ticket).bucket)
+            n = 0
+            while len(self.groups.get((*base, n), Group(())).members) >= self.options.max_group:
+                n += 1
+            key = (*base, n)
+        else:
+            key = (id(ticket),)
+        group = self.groups.setdefault(key, Group(key))
+        group.members.append(ticket)
+        self.group_of[ticket] = group
+        self._dirty = True
+
+    def _insert(self, ticket: Ticket, view: PoolView) -> None:
+        """Place a request of its own group into the current plan: on the instance the plan generator
+        would choose given the queues, at its deadline's place (a deferred one: at the end)."""
+        group = self._group_view(self.group_of[ticket], view.now)
+        placed = choose(group, self.models, self._loads, view.available, self.options.confidence,
+                        self.options.floor, self.mode)
+        i, _, answer = placed or soonest(group, self.models, self._loads, view.available)
+        self._loads[i] = self._loads[i].plus(answer)
+        queue, deadline = self._queues[i], self._deadline(ticket)
+        at = len(queue)
+        if placed is not None:
+            at = next((k for k, t in enumerate(queue) if self._deadline(t) > deadline), len(queue))
+        queue.insert(at, ticket)
+        self._order[ticket] = i
+        self._dirty = False
+
+    def _leave(self, ticket: Ticket) -> None:
+        group = self.group_of.pop(ticket, None)
+        if group is None:
+            return
+        group.members.remove(ticket)
+        if not group.members:
+            del self.groups[group.key]
+        i = self._order.pop(ticket, None)
+        if i is not None and ticket in self._queues.get(i, ()):
+            self._queues[i].remove(ticket)
+
+    def _replan(self, view: PoolView) -> None:
+        """Place and order every held group; each instance's queue of held requests follows."""
+        groups = [g for g in self.groups.values() if g.members]
+        views = [self._group_view(g, view.now) for g in groups]
+        running = np.array([self._running(i, view) for i in range(len(self.models))])
+        plan = greedy_plan(views, self.models, running, view.available, self.options.confidence, self.options.floor,
+                           order=self.mode)
+        self._loads = {i: QueueLoad.empty(m, running[i]) for i, m in enumerate(self.models)}
+        for i, order in plan.queues.items():
+            for g in order:
+                answer = length(float(views[g].answer_tokens[i]), views[g].cv)
+                self._loads[i] = self._loads[i].plus(answer, views[g].size)
+        self._order.clear()
+        self._queues = {i: deque(t for g in order for t in groups[g].members) for i, order in plan.queues.items()}
+        for i, held in self._queues.items():
+            for t in held:
+                self._order[t] = i
+        self._dirty = False
+        self._planned_at = view.now
+
+    def _group_view(self, group: Group, now: float) -> GroupView:
+        members = group.members
+        details = [_planned(t) for t in members]
+        return GroupView(
+            key=group.key,
+            candidates=members[0].request.candidates,
+            slack_s=min(self._deadline(t) for t in members) - now,
+            size=len(members),
+            answer_tokens=np.mean([d.answer_tokens for d in details], axis=0),
+            quality=np.mean([d.quality for d in details], axis=0),
+            prompt_tokens=float(np.mean([t.request.input_tokens for t in members])),
+            cv=self.options.length_cv,
+        )
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def evict(self, view: PoolView, now: float) -> Sequence[Ticket]:
+        if not self._evicting:
+            return ()
+        victims = []
+        with self._lock:
+            if self._dirty:
+                self._replan(view)
+            for i, queue in self._queues.items():
+                if queue and view.available[i] and not self._has_room(i, view):
+                    victim = self._victim(i, queue[0], view, now)
+                    if victim is not None:
+                        victims.append(victim)
+        return victims
+
+    def _victim(self, i: int, head: Ticket, view: PoolView, now: float) -> Ticket | None:
+        """A running request of instance i to abort for `head`, or None: only when `head` misses
+        waiting but meets starting now, and the victim can afford to start over behind it. A full KV
+        cache gives up the request holding the most tokens; a full batch, the one with most slack."""
+        model, cv, confidence = self.models[i], self.options.length_cv, self.options.confidence
+        answer = length(float(_planned(head).answer_tokens[i]), cv)
+        slack = self._deadline(head) - now
+        waiting = completion(model, QueueLoad.empty(model, self._running(i, view)), answer, head.request.input_tokens)
+        at_once = completion(model, QueueLoad.empty(model, model.cap - 1), answer, head.request.input_tokens)
+        if waiting.p_at_most(slack) >= confidence or at_once.p_at_most(slack) < confidence:
+            return None
+        kv_bound = view.waiting[i] > 0 or view.kv_usage[i] >= self.options.kv_limit
+        best, best_key = None, -math.inf
+        for t, r in self.running.get(i, {}).items():
+            if not t.evictable or t.evictions >= self.options.max_evictions:
+                continue
+            again = completion(model, QueueLoad.empty(model, model.cap).plus(answer), length(r.answer_tokens, cv),
+                               t.request.input_tokens)
+            if again.p_at_most(self._deadline(t) - now) < confidence:
+                continue  # it could not afford to start over
+            key = t.request.input_tokens + r.streamed if kv_bound else self._deadline(t) - now - again.mean
+            if key > best_key:
+                best, best_key = t, key
+        return best
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def on_dispatch(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:
+        detail = ticket.decision.detail if ticket.decision else None
+        tokens = float(detail.answer_tokens[plan.instance]) if isinstance(detail, Planned) else 0.0
+        with self._lock:
+            self._leave(ticket)
+            self._stop(ticket)  # a request tried again elsewhere (failover) runs in one place
+            self.running.setdefault(plan.instance, {})[ticket] = Running(plan.instance, tokens, self._deadline(ticket))
+            self._running_on[ticket] = plan.instance
+
+    def on_progress(self, ticket: Ticket, tokens: int, now: float) -> None:
+        i = self._running_on.get(ticket)
+        if i is not None:
+            self.running[i][ticket].streamed = tokens
+
+    def _stop(self, ticket: Ticket) -> Running | None:
+        i = self._running_on.pop(ticket, None)
+        return None if i is None else self.running[i].pop(ticket)
+
+    def on_complete(self, ticket: Ticket, completion: Completion, now: float) -> None:
+        with self._lock:
+            self._leave(ticket)
+            r = self._stop(ticket)
+            if r is not None and completion.ok and completion.instance == r.instance and r.answer_tokens > 0:
+                key = (self.instances[r.instance].model, _bucket(ticket.request.input_tokens))
+                seen = self._seen.setdefault(key, [0.0, 0.0, 0.0])
+                seen[0] += 1
+                seen[1] += completion.completion_tokens
+                seen[2] += r.answer_tokens / self._factor(key)  # what the estimators said, before correction
+
+    def _factor(self, key: tuple[str, int]) -> float:
+        """Answer tokens seen over tokens the estimators predicted, for a kind of prompt on a model
+        (1 until a few answers have been seen)."""
+        seen = self._seen.get(key)
+        if seen is None or seen[0] < PROFILE_MIN_SEEN or seen[2] <= 0:
+            return 1.0
+        return seen[1] / seen[2]
+
+    def _correction(self, instances: tuple, prompt_tokens: int) -> np.ndarray:
+        bucket = _bucket(prompt_tokens)
+        with self._lock:
+            return np.array([self._factor((inst.model, bucket)) for inst in instances])
+
+    def compute_s(self, batch_size: int, cost) -> float:
+        groups = max(len(self.groups), 1) if self._grouping else batch_size + len(self.group_of)
+        return batch_size * len(self.models) * PLAN_S_PER_GROUP_INSTANCE + groups * len(self.models) * \
+            PLAN_S_PER_GROUP_INSTANCE
+
+
+def _planned(ticket: Ticket) -> Planned:
+    """What `assign` kept of a request's decision."""
+    detail = ticket.decision.detail if ticket.decision is not None else None
+    if not isinstance(detail, Planned):
+        raise ValueError("a request qlm did not decide")
+    return detail
+
+
+def _bucket(tokens: float) -> int:
+    return int(math.log2(max(tokens, 1.0)))
+
+
+def _idle(model: InstanceModel, answer_tokens: float, cv: float, prompt_tokens: int) -> Normal:
+    """A request's completion on an idle instance: its floor."""
+    return completion(model, QueueLoad.empty(model, 0), length(float(answer_tokens), cv), prompt_tokens)
+
+
+def build_qlm(context: PolicyContext) -> Qlm:
+    return Qlm(context.config.instances, context.options("qlm"))
+
+
+def build_edf(context: PolicyContext) -> Qlm:
+    edf = context.options("edf")
+    # QLM's machinery with its intelligence off: deadline order, no groups, no deferral, no eviction.
+    options = build_section(QlmOptions, {"slowdown": edf.slowdown, "length_cv": edf.length_cv, "no_slo_s": edf.no_slo_s,
+                                         "floor": 0.0, "on_infeasible": "serve", "pulling": True, "eviction": False,
+                                         "grouping": False, "kv_limit": edf.kv_limit}, "policies.edf")
+    policy = Qlm(context.config.instances, options, mode="edf")
+    policy.name = "edf"
+    return policy
+
+
+OPTIONS = {"qlm": QlmOptions, "edf": EdfOptions}
+ENTRIES = (
+    PolicyEntry("qlm", build_qlm, "QLM: request groups in per-instance virtual queues, planned for SLO attainment; "
+                "request pulling and eviction", needs_estimates=True),
+    PolicyEntry("edf", build_edf, "earliest deadline first: requests pulled in SLO-deadline order to the instance "
+                "that finishes them soonest", needs_estimates=True),
+)

@@ -1,0 +1,17 @@
+"""Every named sweep of `routebalance sim --sweep NAME`: its cells and its paired comparisons."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gateway.sim import qos_eval, slo_sweeps, sweeps
+from gateway.sim.sweeps import Cell, Pair
+
+SWEEPS: dict[str, Callable[[int], list[Cell]]] = {
+    "frontier": sweeps.frontier, "arms": sweeps.arms, "budget": sweeps.budget, "batching": sweeps.batching,
+    "robustness": sweeps.robustness, "qlm": slo_sweeps.qlm,
+    "qos": qos_eval.qos_cells}
+PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
+    "frontier": sweeps.frontier_pairs, "arms": sweeps.arms_pairs, "budget": sweeps.budget_pairs,
+    "batching": sweeps.batching_pairs, "robustness": sweeps.robustness_pairs, "qlm": slo_sweeps.qlm_pairs,
+    "qos": qos_eval.qos_pairs}

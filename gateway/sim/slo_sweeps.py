@@ -1,0 +1,72 @@
+"""The SLO sweeps: QLM (papers/qlm-queue-management.txt section 8) against FCFS, EDF and vLLM's own queue.
+
+    routebalance sim --sweep qlm
+
+Workloads, all with gamma-bursty arrivals (shape 0.5) and the paper's mix of
+SLO classes: half the requests interactive (25 s end to end, streamed), half
+batch jobs (5 minutes, not streamed: a batch client reads the whole answer):
+- W_B, one model: every request names the 7B tier (five instances), as in
+  the paper's single-model workload, at three loads up to overload;
+- W_C, mega prompts: W_B at 30 req/s where 5% of the requests are mega
+  prompts (3,000 prompt tokens, 1,000 answer tokens) whose KV cache crowds
+  an instance; here the ablation switches off each QLM operation in turn;
+- auto: requests name the routing alias over the whole 13-instance pool, so
+  QLM also chooses the model (the best one that still meets the SLO).
+Systems: `qlm`, `edf` (deadline order on the same machinery), RouteBalance
+(uniform weights, first come first served at the gateway) and passthrough
+round robin (vLLM's own FCFS queue behind a plain balancer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.sim.arrivals import ArrivalSpec
+from gateway.sim.simulator import CellSpec
+from gateway.sim.sweeps import RB_WEIGHTS, Cell, Pair
+
+SLO_MIX = ((25.0, 0.5), (300.0, 0.5))  # (seconds, share): interactive and batch
+STREAM_BELOW_S = 60.0  # batch jobs do not stream
+ONE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+W_B_RATES = (20.0, 30.0, 40.0)
+W_C_RATE = 30.0
+AUTO_RATE = 30.0
+MEGA_SHARE = 0.05
+ABLATION = (("no pulling", {"pulling": False}), ("no eviction", {"eviction": False}),
+            ("no grouping", {"grouping": False}))
+SLO_PAIRED = ("slo_attainment", "e2e_mean", "quality")
+
+
+def _spec(policy: str, rate: float, n: int, model: str | None, mega: float) -> CellSpec:
+    return CellSpec(policy, RB_WEIGHTS["uniform"], ArrivalSpec("gamma", rate, shape=0.5), n, slos=SLO_MIX,
+                    stream_below_s=STREAM_BELOW_S, model=model, mega_share=mega)
+
+
+def _systems(workload: str, rate: float, n: int, model: str | None, mega: float) -> list[Cell]:
+    tags = {"workload": workload}
+    return [Cell("qlm", "qlm", _spec("qlm", rate, n, model, mega), tags=tags),
+            Cell("edf", "edf", _spec("edf", rate, n, model, mega), tags=tags),
+            Cell("routebalance", "uniform (FCFS)", _spec("routebalance", rate, n, model, mega), tags=tags),
+            Cell("passthrough", "round_robin (vLLM FCFS)", _spec("passthrough+round_robin", rate, n, model, mega),
+                 tags=tags)]
+
+
+def qlm(n: int) -> list[Cell]:
+    cells = [c for rate in W_B_RATES for c in _systems("W_B one model", rate, n, ONE_MODEL, 0.0)]
+    cells += _systems("W_C mega prompts", W_C_RATE, n, ONE_MODEL, MEGA_SHARE)
+    cells += [Cell("qlm", f"qlm, {label}", _spec("qlm", W_C_RATE, n, ONE_MODEL, MEGA_SHARE), (("qlm", changes),),
+                   {"workload": "W_C mega prompts"}) for label, changes in ABLATION]
+    return cells + _systems("auto", AUTO_RATE, n, None, 0.0)
+
+
+def qlm_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    pairs = []
+    for workload, rate in dict.fromkeys((c.tags["workload"], c.spec.arrivals.rate) for c in cells):
+        at = {"workload": workload, "rate": rate}
+        for other in ("edf", "uniform (FCFS)", "round_robin (vLLM FCFS)"):
+            pairs.append(Pair(f"qlm vs {other}, {workload} @{rate:g}", {"label": "qlm", **at}, {"label": other, **at},
+                              SLO_PAIRED))
+    at = {"workload": "W_C mega prompts", "rate": W_C_RATE}
+    pairs += [Pair(f"qlm vs qlm {label}, W_C", {"label": "qlm", **at}, {"label": f"qlm, {label}", **at}, SLO_PAIRED)
+              for label, _ in ABLATION]
+    return pairs
