@@ -115,13 +115,14 @@ def _count(usage: dict, key: str) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
-def record_usage(usage: dict, costing: Costing, result: RelayResult) -> None:
-    """Cost a request from the instance's own token counts (malformed counts count as 0)."""
+def record_usage(usage: dict, costing: Costing, result: RelayResult, final: bool = True) -> None:
+    """Cost a request from the instance's own token counts (malformed counts count as 0). The SLO
+    verdicts go only on the final usage: a running one (continuous usage) is judged on a partial answer."""
     result.prompt_tokens = _count(usage, "prompt_tokens")
     result.completion_tokens = _count(usage, "completion_tokens")
     result.cost_usd = usage["cost_usd"] = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = "upstream"
-    if costing.annotate is not None:
+    if final and costing.annotate is not None:
         costing.annotate(usage, result.completion_tokens)
 
 
@@ -391,7 +392,7 @@ class _PassThrough(_Framer):
                 data = _event_json(event)
                 usage = data.get("usage") if data is not None else None
                 if isinstance(usage, dict):
-                    record_usage(usage, self.costing, self.result)
+                    record_usage(usage, self.costing, self.result, final=not data.get("choices"))
                     self.result.usage = usage
                     self.usage_seen, self.kept = True, []
                     if not data.get("choices") and not self.include_usage:

@@ -114,6 +114,9 @@ class Scheduler:
             raise ApiError(503, f"the gateway could not schedule the request again within "
                                 f"{config.batching.max_wait_s:g} s after evicting it; retry shortly",
                            code="overloaded", headers={"Retry-After": "1"}) from None
+        except BaseException:  # the client left while it waited: out of the held requests
+            self.core.withdraw(ticket, loop.time())
+            raise
         refused = ticket.decision.refused if ticket.decision else None
         if refused is not None:
             raise refusal_error(refused)
@@ -135,7 +138,8 @@ class Scheduler:
         do not pay for lazy loading. The decision runs on a scratch loop: the policies that serve
         keep no trace of it (a round robin's turn, say)."""
         cfg = self.store.current
-        self.core.policies(cfg).get(cfg.scheduler.policy)
+        for name in _configured_policies(cfg):
+            self.core.policies(cfg).get(name)
         scratch = SchedulingLoop(PoolLedger(), 1, self.core.resolve, self.estimators)
         [(decision, _)], _ = self.decide_now(cfg, [Ticket(request, "", False, cfg)], scratch.view(cfg, 0.0), scratch)
         return decision.refused
@@ -166,8 +170,9 @@ class Scheduler:
             await self._sleep(min(delays) if delays else None)
             return
         policies = self.core.policies(cfg)
-        if not policies.built(cfg.scheduler.policy):  # build it off the loop (clustering, loading)
-            await loop.run_in_executor(self.executor, policies.get, cfg.scheduler.policy)
+        for name in _configured_policies(cfg):
+            if not policies.built(name):  # build it off the loop (clustering, loading)
+                await loop.run_in_executor(self.executor, policies.get, name)
         batch, failed = self.core.take(cfg, limit, loop.time())
         for ticket, error in failed:
             _fail(ticket, error)
@@ -201,6 +206,9 @@ class Scheduler:
         now = loop.time()
         # A client may have left while its batch was scored: its request is not booked.
         here = [(t, d) for t, d in zip(batch, decided, strict=True) if not t.handle.done()]
+        for ticket, (_, policy) in zip(batch, decided, strict=True):
+            if ticket.handle.done():
+                self.core.abandoned(ticket, policy, now)
         for ticket, (d, _) in here:
             m.batch_wait.observe(fired - ticket.arrived)
             m.decision_seconds.observe(now - ticket.arrived)
@@ -224,6 +232,11 @@ class Scheduler:
         decided = (core or self.core).decide(cfg, batch, view, estimate)
         timings.score_s = time.perf_counter() - start - timings.estimate_s
         return decided, timings
+
+
+def _configured_policies(cfg: Config) -> list[str]:
+    """The policies the config serves with when a request names none: the default and the presets'."""
+    return list(dict.fromkeys((cfg.scheduler.policy, *cfg.scheduler.preset_policies.values())))
 
 
 def _wake(ticket: Ticket) -> None:

@@ -332,8 +332,8 @@ class Gateway:
             try:
                 return await run
             except asyncio.CancelledError:
-                if not attempt.evicted or not run.cancelled():
-                    raise  # the client left
+                if not attempt.evicted or not run.cancelled() or asyncio.current_task().cancelling():
+                    raise  # the client left (perhaps just as the attempt was evicted)
             finally:
                 self.scheduler.evictable(ticket, None)
                 run.cancel()  # the handler itself was cancelled: its attempt goes too

@@ -15,6 +15,7 @@ from gateway.config import default_config_path, load_config
 from gateway.engine.engine import Engine, EngineSpec
 from gateway.scheduling.impact import Load, Running, StepCurves, added_seconds, assess, impact_per_token
 from gateway.scheduling.ledger import PoolLedger
+from gateway.scheduling.loop import SchedulingLoop
 from gateway.scheduling.policies import registry
 from gateway.scheduling.policies.qos import Qos, QosOptions
 from gateway.scheduling.request import Completion, DispatchPlan, Estimates, RouteRequest, Ticket
@@ -180,6 +181,25 @@ def test_the_tracker_follows_the_lifecycle_and_forgets_completed_requests(two_7b
     assert entry.generated == 7
     policy.on_complete(ticket, Completion(True, other, 9), 0.6)
     assert len(policy.tracker) == 0
+
+
+def test_a_request_abandoned_while_its_batch_was_decided_leaves_no_trace(two_7b):
+    """Its client left (or its wait ran out) while `assign` ran: never settled, the policy still hears it is
+    over, so the tracker does not count it as running for the next hour."""
+    cfg = dataclasses.replace(two_7b, scheduler=dataclasses.replace(two_7b.scheduler, policy="qos"))
+    # The batch's estimates come from the test, so the loop needs no estimators of its own (only some).
+    core = SchedulingLoop(PoolLedger(), max_queue=8, resolve=lambda _cfg, _model: (0, 1), estimators=object())
+    tickets = [Ticket(_request(0.05), "auto", True, cfg) for _ in range(3)]
+    for k, t in enumerate(tickets):
+        core.submit(t, float(k))
+    batch, _ = core.take(cfg, None, 3.0)
+    decided = core.decide(cfg, batch, core.view(cfg, 3.0), lambda ts: _estimates([0.6, 0.5], [200, 200], len(ts)))
+    policy = decided[0][1]
+    assert isinstance(policy, Qos) and len(policy.tracker) == 3
+    for ticket, (_, by) in zip(batch, decided, strict=True):
+        core.withdraw(ticket, 3.5)  # what the live scheduler does when the client leaves mid-decision ...
+        core.abandoned(ticket, by, 4.0)  # ... and, once the batch is back, for each such ticket
+    assert len(policy.tracker) == 0 and not core.held
 
 
 def test_the_registry_builds_qos_from_its_table(two_7b):

@@ -26,7 +26,7 @@ from gateway.sim.simulator import CellSpec, run_cell
 
 REPO = Path(__file__).resolve().parent.parent
 ACTOR = REPO / "models" / "qos_rl" / "actor.onnx"
-TORCH = "PyTorch is not installed: .venv/bin/pip install torch==2.13.0 (the [train] extra)"
+TORCH = "PyTorch is not installed: .venv/bin/pip install -e '.[train]' (about 4 GB with its CUDA libraries)"
 
 DECIDE_WITHOUT_TORCH = """
 import sys

@@ -105,6 +105,12 @@ class SchedulingLoop:
         ticket.arrived = now
         return self.queue.push(ticket, now)
 
+    def abandoned(self, ticket: Ticket, policy: Policy | None, now: float) -> None:
+        """A request whose batch was decided after its client left (or its wait ran out): never
+        settled, so its deciding policy hears now that it is over (it may keep state from `assign`)."""
+        ticket.decided_by = policy
+        self.complete(ticket, Completion(False, None), now)
+
     def withdraw(self, ticket: Ticket, now: float) -> None:
         """The request will not be dispatched (its client left, or its batch failed): forget it wherever it is."""
         self.queue.remove(ticket)

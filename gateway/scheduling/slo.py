@@ -25,8 +25,9 @@ def slo_class(slo_s: float | None, classes: Mapping[str, float]) -> str:
     return ordered[-1][0]
 
 
-def slo_met(e2e_s: float, slo_s: float) -> bool:
-    return e2e_s <= slo_s
+def slo_met(taken, bound):
+    """Within its bound (seconds, or seconds per token): floats, or numpy arrays element by element."""
+    return taken <= bound
 
 
 def time_per_token(e2e_s: float, completion_tokens: int) -> float:
@@ -35,4 +36,4 @@ def time_per_token(e2e_s: float, completion_tokens: int) -> float:
 
 
 def tpot_met(e2e_s: float, completion_tokens: int, tpot_slo_s: float) -> bool:
-    return time_per_token(e2e_s, completion_tokens) <= tpot_slo_s
+    return slo_met(time_per_token(e2e_s, completion_tokens), tpot_slo_s)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.scheduling.slo import time_per_token
+from gateway.scheduling.slo import slo_met, time_per_token
 from gateway.sim.stats import Interval, bootstrap_many, bootstrap_mean, differences
 
 PERCENTILES = (50, 95, 99)
@@ -140,12 +140,13 @@ class RequestArrays:
             tiers=tiers,
             budgeted=np.array([o.budget_usd is not None for o in outcomes]),
             budget_cut=np.array([o.budget_cut for o in outcomes]),
-            slo_ok=np.where(np.isnan(slo), np.nan, (served & (np.nan_to_num(e2e, nan=np.inf) <= slo)).astype(float)),
+            slo_ok=np.where(np.isnan(slo), np.nan,
+                            (served & slo_met(np.nan_to_num(e2e, nan=np.inf), slo)).astype(float)),
             slo_class=np.array([classes.index(o.slo_class) for o in outcomes], dtype=np.int8),
             classes=classes,
             tpot=tpot,
             qos=np.where(np.isnan(bound), np.nan,
-                         np.where(served & (np.nan_to_num(tpot, nan=np.inf) <= bound), quality, 0.0)),
+                         np.where(served & slo_met(np.nan_to_num(tpot, nan=np.inf), bound), quality, 0.0)),
         )
 
     @property

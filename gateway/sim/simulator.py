@@ -246,7 +246,10 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             del sequences[rid]
             engines[i].abort(rid, t)
             first_heard.discard(rid)
-            outcomes[rid].instance, outcomes[rid].evictions = -1, outcomes[rid].evictions + 1
+            out = outcomes[rid]
+            out.instance, out.evictions = -1, out.evictions + 1
+            # Paid, as live: the instance read its prompt before the abort.
+            out.cost_usd += float(predicted_cost(out.prompt_tokens, 0, prices_in[i], prices_out[i]))
             core.requeue(ticket, t)
 
     # The live loop re-reads the window rule when a request arrives, when a batch
@@ -324,8 +327,8 @@ def _record(out: Outcome, seq) -> None:
 
 def _costed(outcomes: list[Outcome], prices_in, prices_out) -> list[Outcome]:
     for out in outcomes:
-        if out.instance >= 0:
-            out.cost_usd = float(predicted_cost(out.prompt_tokens, out.completion_tokens, prices_in[out.instance],
+        if out.instance >= 0:  # on top of what its evicted attempts cost
+            out.cost_usd += float(predicted_cost(out.prompt_tokens, out.completion_tokens, prices_in[out.instance],
                                                 prices_out[out.instance]))
     return outcomes
 

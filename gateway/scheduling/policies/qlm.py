@@ -133,6 +133,9 @@ class Qlm(Policy):
         self._queues: dict[int, deque[Ticket]] = {}  # instance -> its held requests in planned order
         self._loads: dict[int, QueueLoad] = {}  # instance -> its queue as the estimator saw it when planned
         self._running_on: dict[Ticket, int] = {}
+        # Held requests a victim was already evicted for: the pool view shows the freed slot only at the
+        # next scrape, and until then the same head must not take a second victim.
+        self._rescued: set[Ticket] = set()
         self._dirty = True  # requests joined since the last plan
         self._planned_at = -math.inf
         # Workload profile, learnt as requests complete: per (model, prompt bucket), the answer tokens
@@ -251,6 +254,7 @@ class Qlm(Policy):
         self._dirty = False
 
     def _leave(self, ticket: Ticket) -> None:
+        self._rescued.discard(ticket)
         group = self.group_of.pop(ticket, None)
         if group is None:
             return
@@ -304,10 +308,11 @@ class Qlm(Policy):
             if self._dirty:
                 self._replan(view)
             for i, queue in self._queues.items():
-                if queue and view.available[i] and not self._has_room(i, view):
+                if queue and queue[0] not in self._rescued and view.available[i] and not self._has_room(i, view):
                     victim = self._victim(i, queue[0], view, now)
                     if victim is not None:
                         victims.append(victim)
+                        self._rescued.add(queue[0])
         return victims
 
     def _victim(self, i: int, head: Ticket, view: PoolView, now: float) -> Ticket | None:

@@ -42,6 +42,7 @@ from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
 from gateway.scheduling.qos_state import (
     FEATURE_HEADROOM,
     FEATURE_WIDTH,
+    N_MAX,
     Actor,
     Tracked,
     Tracker,
@@ -298,6 +299,8 @@ def build_qos_rl(context: PolicyContext) -> QosRl:
     """The ONNX actor comes from the estimators' `qos_actor(path)` loader (the core cannot import
     onnxruntime): gateway/estimators/qos_actor.py."""
     options = context.options("qos_rl")
+    if len(context.config.instances) > N_MAX:  # refused when built (503), not on every decision
+        raise ValueError(f"qos-rl places on at most {N_MAX} instances; the pool has {len(context.config.instances)}")
     loader = getattr(context.estimators, "qos_actor", None)
     if loader is None:
         raise ValueError("qos-rl needs the estimators' ONNX actor loader (qos_actor), which this process lacks")
