@@ -61,12 +61,13 @@ def main() -> None:
     from gateway.config import default_config_path, load_config
     from gateway.estimators.bundle import Estimators
     from gateway.sim.evalset import load_evalset
+    from gateway.sim.slo_sweeps import ONE_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="qlm,edf")
+    ap.add_argument("--policies", default="qlm,edf,qos,qos-rl")
     ap.add_argument("--requests", type=int, default=2500)
     ap.add_argument("--rate", type=float, default=40.0)
-    ap.add_argument("--model", default="Qwen/Qwen2.5-7B-Instruct",
+    ap.add_argument("--model", default=ONE_MODEL,
                     help="the pool model every request names (W_C: the 7B tier's five instances), or 'auto' for "
                          "the whole 13-instance pool")
     args = ap.parse_args()
