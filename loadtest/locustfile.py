@@ -6,6 +6,12 @@
 Each user sends chat requests through the OpenAI API shape at a fixed pace so
 the whole run offers --target-rps requests per second; a share of them stream
 with usage. The run is bounded by -t (locust's run time) and by --max-requests.
+
+SLOs: `--slos 25:0.5,300:0.5` gives half the requests a 25 s end-to-end SLO
+and half 300 s (X-Route-SLO-S; the rest none); requests with an SLO of 60 s or
+more are batch jobs and do not stream, as in the simulator. `--policy qlm`
+sends X-Route-Policy. At the end the run prints the SLO attainment per SLO,
+from the gateway's own verdicts (X-Route-SLO-Met, or usage.slo_met of a stream).
 """
 
 from __future__ import annotations
@@ -37,6 +43,38 @@ def _options(parser):
     parser.add_argument("--model", default="auto", help="model name to request (alias or pool model)")
     parser.add_argument("--preset", default="", help="routing preset sent as X-Route-Preset (default: the config's)")
     parser.add_argument("--max-requests", type=int, default=20000, help="hard bound on requests per run")
+    parser.add_argument("--policy", default="", help="routing policy sent as X-Route-Policy (default: the config's)")
+    parser.add_argument("--slos", default="", help="end-to-end SLO mix, SECONDS:SHARE pairs, e.g. 25:0.5,300:0.5")
+
+
+def slo_mix(text: str) -> list[tuple[float, float]]:
+    """`25:0.5,300:0.5` -> [(25.0, 0.5), (300.0, 0.5)]."""
+    mix = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        seconds, _, share = item.partition(":")
+        mix.append((float(seconds), float(share)))
+    if sum(share for _, share in mix) > 1.0 + 1e-9:
+        raise SystemExit(f"--slos: the shares of {text!r} add up to more than 1")
+    return mix
+
+
+def draw_slo(mix: list[tuple[float, float]]) -> float | None:
+    u, acc = random.random(), 0.0
+    for seconds, share in mix:
+        acc += share
+        if u < acc:
+            return seconds
+    return None
+
+
+# SLO (seconds) -> [met, judged]: the gateway's verdicts as the answers came back
+attainment: dict[float, list[int]] = {}
+
+
+@events.test_stop.add_listener
+def _report_attainment(**_):
+    for slo, (met, judged) in sorted(attainment.items()):
+        print(f"SLO {slo:g} s: {met}/{judged} met ({met / max(judged, 1):.1%})")
 
 
 @events.test_start.add_listener
@@ -48,6 +86,7 @@ def _loopback_only(environment, **_):
 
 
 _sent = itertools.count()
+BATCH_SLO_S = 60.0  # requests with an SLO this long or longer are batch jobs: not streamed
 
 
 class ChatUser(FastHttpUser):
@@ -70,7 +109,8 @@ class ChatUser(FastHttpUser):
         opts = self.environment.parsed_options
         if next(_sent) >= opts.max_requests:
             raise StopUser()
-        stream = random.random() < opts.stream_share
+        slo = draw_slo(slo_mix(opts.slos)) if opts.slos else None
+        stream = random.random() < opts.stream_share and (slo is None or slo < BATCH_SLO_S)
         body = {"model": opts.model, "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
                 "temperature": 0, "stream": stream}
         if stream:
@@ -79,6 +119,10 @@ class ChatUser(FastHttpUser):
         headers = {"Content-Type": "application/json"}
         if opts.preset:
             headers["X-Route-Preset"] = opts.preset
+        if opts.policy:
+            headers["X-Route-Policy"] = opts.policy
+        if slo is not None:
+            headers["X-Route-SLO-S"] = f"{slo:g}"
         with self.client.post("/v1/chat/completions", data=orjson.dumps(body), name=name,
                               headers=headers, catch_response=True) as resp:
             if resp.status_code != 200:
@@ -89,3 +133,9 @@ class ChatUser(FastHttpUser):
                 resp.failure("stream had no usage chunk")
             elif not stream and not orjson.loads(resp.content)["choices"][0]["message"]["content"]:
                 resp.failure("empty answer")
+            if slo is not None:  # a refused or failed request missed its SLO
+                verdict = resp.status_code == 200 and (b'"slo_met":true' in resp.content if stream
+                                                       else resp.headers.get("X-Route-SLO-Met") == "true")
+                counts = attainment.setdefault(slo, [0, 0])
+                counts[0] += verdict
+                counts[1] += 1
