@@ -167,7 +167,8 @@ def add_offline_commands(sub) -> None:
     p = sub.add_parser("sim", help="simulate the gateway over the pool in virtual time: one cell, or a named sweep")
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--sweep",
-                   help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, qlm, qos")
+                   help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, "
+                        "qlm, qlm_cap, qos")
     p.add_argument("--requests", type=int, default=2500,
                    help="held-out prompts per cell (the paper's held-out set is 3534; 2500 keeps the five sweeps "
                         "at five seeds near 27 minutes on two cores, 3534 near 36)")

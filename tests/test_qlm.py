@@ -261,3 +261,18 @@ def test_a_tight_slo_evicts_a_batch_job_and_every_client_gets_one_answer(client,
     assert _evictions(qlm_stack) >= before + 1
     for a in answers:  # the evicted job went again: one whole answer each, nothing doubled
         assert a.usage.completion_tokens == 300 and len(a.choices[0].message.content.split()) == 300
+
+
+@pytest.mark.parametrize("name", ["qlm", "qlm_cap", "qos"])
+def test_each_paired_comparison_of_the_slo_sweeps_names_exactly_one_cell_a_side(name):
+    from gateway.sim.catalog import PAIRS, SWEEPS
+    from gateway.sim.sweeps import _identity, _matches
+
+    cells = SWEEPS[name](100)
+    rows = [_identity(c) for c in cells]
+    assert len({tuple(sorted((k, str(v)) for k, v in r.items())) for r in rows}) == len(rows)  # cells differ
+    pairs = PAIRS[name](cells)
+    assert pairs
+    for pair in pairs:
+        for side in (pair.a, pair.b):
+            assert sum(_matches(r, side) for r in rows) == 1, (pair.name, side)

@@ -293,7 +293,7 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
         return budget(rows, out_dir)
     if name == "robustness":
         return robustness(rows, out_dir)
-    if name == "qlm":
+    if name in ("qlm", "qlm_cap"):
         return slo_bars(rows, out_dir, name)
     if name == "qos":
         return qos_curves(rows, out_dir)

@@ -15,6 +15,12 @@ batch jobs (5 minutes, not streamed: a batch client reads the whole answer):
 Systems: `qlm`, `edf` (deadline order on the same machinery), RouteBalance
 (uniform weights, first come first served at the gateway) and passthrough
 round robin (vLLM's own FCFS queue behind a plain balancer).
+
+    routebalance sim --sweep qlm_cap
+
+QLM's pulling cap (`slowdown`: an instance takes requests while its decode
+step stays within this x a lone step) on W_B at 40 req/s and W_C: how much
+throughput the cap costs, and what attainment it buys.
 """
 
 from __future__ import annotations
@@ -69,4 +75,25 @@ def qlm_pairs(cells: Sequence[Cell]) -> list[Pair]:
     at = {"workload": "W_C mega prompts", "rate": W_C_RATE}
     pairs += [Pair(f"qlm vs qlm {label}, W_C", {"label": "qlm", **at}, {"label": f"qlm, {label}", **at}, SLO_PAIRED)
               for label, _ in ABLATION]
+    return pairs
+
+
+CAP_SLOWDOWNS = (1.5, 2.0, 3.0, 4.0)
+
+
+def qlm_cap(n: int) -> list[Cell]:
+    return [Cell("qlm", f"qlm, slowdown {sd:g}", _spec("qlm", rate, n, ONE_MODEL, mega), (("qlm", {"slowdown": sd}),),
+                 {"workload": workload})
+            for workload, rate, mega in (("W_B one model", W_B_RATES[-1], 0.0), ("W_C mega prompts", W_C_RATE,
+                                                                                   MEGA_SHARE))
+            for sd in CAP_SLOWDOWNS]
+
+
+def qlm_cap_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    """Each cap against the default (2), per workload."""
+    pairs = []
+    for workload, rate in dict.fromkeys((c.tags["workload"], c.spec.arrivals.rate) for c in cells):
+        at = {"workload": workload, "rate": rate}
+        pairs += [Pair(f"slowdown {sd:g} vs 2, {workload}", {"label": f"qlm, slowdown {sd:g}", **at},
+                       {"label": "qlm, slowdown 2", **at}, SLO_PAIRED) for sd in CAP_SLOWDOWNS if sd != 2.0]
     return pairs
