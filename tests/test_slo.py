@@ -90,3 +90,17 @@ def test_the_answer_says_whether_its_slo_was_met(client, stack):
 def test_without_an_slo_the_answer_carries_no_verdict(client):
     resp = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert "slo_met" not in resp.usage.model_extra and "tpot_slo_met" not in resp.usage.model_extra
+
+
+def test_running_usage_carries_no_verdict_only_the_final_usage_does(client):
+    """With continuous usage a chunk's usage covers a partial answer: a verdict there would be judged on
+    it (a time per token from one token), so only the final usage is judged."""
+    chunks = list(client.chat.completions.create(
+        model="auto", messages=[{"role": "user", "content": "Count to ten."}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"routing": {"slo_s": 25, "tpot_slo_ms": 60000}}))
+    running = [c.usage for c in chunks if c.choices and c.usage is not None]
+    assert running, "the emulator sends running usage when asked"
+    assert all("slo_met" not in u.model_extra and "tpot_slo_met" not in u.model_extra for u in running)
+    final = chunks[-1].usage
+    assert not chunks[-1].choices and final.model_extra["slo_met"] is True and final.model_extra["tpot_slo_met"] is True
