@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from conftest import Stack, dump_toml, free_port
+from conftest import Stack, dump_toml, free_port, wait_for
 from gateway.config import default_config_path
 
 MODEL = "Qwen/Qwen2.5-3B-Instruct"
@@ -91,9 +91,12 @@ def test_crlf_framed_stream_is_relayed_and_costed_and_usage_hidden(gateway_over_
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world"
         assert all(c.choices for c in chunks)  # the usage-only chunk was not asked for
+    # The client has [DONE] a moment before the handler books the last answer's tokens: wait for it.
+    tokens = 'routebalance_tokens_total{kind="completion",model="Qwen/Qwen2.5-3B-Instruct"} 6.0'
+    wait_for(lambda: tokens in httpx.get(gateway_over_fakes.root + "/metrics").text, timeout=5,
+             what="the third answer's tokens in /metrics")
     metrics = httpx.get(gateway_over_fakes.root + "/metrics").text
     assert 'routebalance_upstream_retries_total{instance="fake-crlf"} 1.0' in metrics
-    assert 'routebalance_tokens_total{kind="completion",model="Qwen/Qwen2.5-3B-Instruct"} 6.0' in metrics
 
 
 def test_usage_is_passed_with_cost_when_asked(gateway_over_fakes):
