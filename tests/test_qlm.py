@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import Stack, pool_config, steady
+from conftest import Stack, pool_config, steady, wait_for
 from gateway.config import default_config_path, load_config
 from gateway.engine.engine import EngineSpec
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
@@ -221,7 +221,9 @@ def test_a_preset_chooses_its_policy(client, qlm_stack):
                                    extra_body={"routing": {"slo_s": 20, "preset": "uniform"}})
     client.chat.completions.create(model="auto", messages=prompt, max_tokens=4,
                                    extra_body={"routing": {"slo_s": 20, "preset": "uniform", "policy": "qlm"}})
-    assert _slo_requests(qlm_stack, "qlm") == before["qlm"] + 2  # the default preset's, and named
+    # The handler counts a verdict as it returns: wait for it rather than race it.
+    wait_for(lambda: _slo_requests(qlm_stack, "qlm") == before["qlm"] + 2, timeout=5,
+             what="qlm's two verdicts: the default preset's request and the one naming it")
     assert _slo_requests(qlm_stack, "routebalance") == before["routebalance"] + 1  # uniform has none of its own
 
 
