@@ -310,34 +310,21 @@ def cmd_sim(args) -> int:
     if args.sweep:
         return _sim_sweep(args)
     from gateway.config import load_config
+    from gateway.scheduling.slo import BATCH_SLO_S, parse_slo_mix
     from gateway.sim.arrivals import ArrivalSpec
     from gateway.sim.simulator import CellSpec
 
     w = load_config(args.config).weights(args.preset)
     spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
                     ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
-                    budget_share=args.budget_share, model=args.model, slos=_slo_mix(args.slos),
+                    budget_share=args.budget_share, model=args.model, slos=parse_slo_mix(args.slos),
                     tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
-                    mega_share=args.mega_share, stream_below_s=60.0)
+                    mega_share=args.mega_share, stream_below_s=BATCH_SLO_S)
     seeds = [args.seed] if args.seeds is None else list(range(args.seeds))
     result = run_seeded([Cell(args.policy, args.preset, spec)], str(args.config), args.requests, seeds=seeds,
                         workers=min(args.workers, len(seeds)), workload=args.workload)
     print(orjson.dumps(result.rows[0], option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
     return 0
-
-
-def _slo_mix(text: str) -> tuple[tuple[float, float], ...]:
-    """`25:0.5,300:0.5` -> ((25.0, 0.5), (300.0, 0.5))."""
-    mix = []
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        seconds, sep, share = item.partition(":")
-        try:
-            mix.append((float(seconds), float(share)))
-        except ValueError:
-            raise ValueError(f"--slos: {item!r} is not SECONDS:SHARE") from None
-        if not sep:
-            raise ValueError(f"--slos: {item!r} is not SECONDS:SHARE")
-    return tuple(mix)
 
 
 def _sim_sweep(args) -> int:

@@ -76,18 +76,25 @@ class Scheduler:
             raise ApiError(429, f"the gateway has {self.core.queue.max_queue} requests waiting to be scheduled; "
                                 "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.wakeup.set()
+        await self._released(ticket, config, "")
+        return ticket
+
+    async def _released(self, ticket: Ticket, config: Config, again: str) -> None:
+        """Wait for the ticket's (re)release, bounded in time as in count: under overload a request is
+        shed (503), not left to its client's timeout. A client that leaves, or a batch that fails,
+        undoes whatever was booked or held."""
+        loop = asyncio.get_running_loop()
         try:
-            # Bounded in time as in count: under overload a request is shed, not left to its client's timeout.
             await asyncio.wait_for(ticket.handle, config.batching.max_wait_s)
         except TimeoutError:
             self.core.withdraw(ticket, loop.time())
             self.metrics.rejected.labels("overloaded").inc()
-            raise ApiError(503, f"the gateway could not schedule the request within {config.batching.max_wait_s:g} s; "
-                                "retry shortly", code="overloaded", headers={"Retry-After": "1"}) from None
-        except BaseException:  # the client left, or its batch failed: undo whatever was booked
+            raise ApiError(503, f"the gateway could not schedule the request{again} within "
+                                f"{config.batching.max_wait_s:g} s; retry shortly",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        except BaseException:
             self.core.withdraw(ticket, loop.time())
             raise
-        return ticket
 
     def complete(self, ticket: Ticket, completion: Completion) -> None:
         """The request is over: out of the ledger; a held request may now go."""
@@ -105,18 +112,7 @@ class Scheduler:
 
     async def redecided(self, ticket: Ticket, config: Config) -> None:
         """Wait until an evicted request is released again (503 after `batching.max_wait_s`)."""
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.wait_for(ticket.handle, config.batching.max_wait_s)
-        except TimeoutError:
-            self.core.withdraw(ticket, loop.time())
-            self.metrics.rejected.labels("overloaded").inc()
-            raise ApiError(503, f"the gateway could not schedule the request again within "
-                                f"{config.batching.max_wait_s:g} s after evicting it; retry shortly",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
-        except BaseException:  # the client left while it waited: out of the held requests
-            self.core.withdraw(ticket, loop.time())
-            raise
+        await self._released(ticket, config, " again after evicting it")
         refused = ticket.decision.refused if ticket.decision else None
         if refused is not None:
             raise refusal_error(refused)

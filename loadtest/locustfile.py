@@ -21,6 +21,7 @@ import itertools
 import random
 import socket
 import time
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import gevent
@@ -28,6 +29,7 @@ import orjson
 from locust import FastHttpUser, events, task
 from locust.exception import StopUser
 
+from gateway.scheduling.slo import BATCH_SLO_S, parse_slo_mix
 from gateway.workload import split
 from gateway.workload.synthetic import generate
 
@@ -47,18 +49,15 @@ def _options(parser):
     parser.add_argument("--slos", default="", help="end-to-end SLO mix, SECONDS:SHARE pairs, e.g. 25:0.5,300:0.5")
 
 
-def slo_mix(text: str) -> list[tuple[float, float]]:
-    """`25:0.5,300:0.5` -> [(25.0, 0.5), (300.0, 0.5)]."""
-    mix = []
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        seconds, _, share = item.partition(":")
-        mix.append((float(seconds), float(share)))
-    if sum(share for _, share in mix) > 1.0 + 1e-9:
-        raise SystemExit(f"--slos: the shares of {text!r} add up to more than 1")
-    return mix
+@events.test_start.add_listener
+def _check_slo_mix(environment, **_):
+    try:
+        parse_slo_mix(environment.parsed_options.slos)
+    except ValueError as e:
+        raise SystemExit(f"--slos: {e}") from None
 
 
-def draw_slo(mix: list[tuple[float, float]]) -> float | None:
+def draw_slo(mix: Sequence[tuple[float, float]]) -> float | None:
     u, acc = random.random(), 0.0
     for seconds, share in mix:
         acc += share
@@ -86,7 +85,6 @@ def _loopback_only(environment, **_):
 
 
 _sent = itertools.count()
-BATCH_SLO_S = 60.0  # requests with an SLO this long or longer are batch jobs: not streamed
 
 
 class ChatUser(FastHttpUser):
@@ -109,8 +107,8 @@ class ChatUser(FastHttpUser):
         opts = self.environment.parsed_options
         if next(_sent) >= opts.max_requests:
             raise StopUser()
-        slo = draw_slo(slo_mix(opts.slos)) if opts.slos else None
-        stream = random.random() < opts.stream_share and (slo is None or slo < BATCH_SLO_S)
+        slo = draw_slo(parse_slo_mix(opts.slos)) if opts.slos else None
+        stream = random.random() < opts.stream_share and (slo is None or slo < BATCH_SLO_S)  # jobs do not stream
         body = {"model": opts.model, "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
                 "temperature": 0, "stream": stream}
         if stream:

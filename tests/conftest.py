@@ -19,7 +19,11 @@ from gateway.cli import start_emulator, start_gateway
 from gateway.config import ConfigStore, default_config_path, load_config
 from gateway.estimators.build import ensure_built
 from gateway.estimators.bundle import Estimators
-from gateway.sim.evalset import ComputeCost
+from gateway.sim.arrivals import ArrivalSpec
+from gateway.sim.evalset import ComputeCost, load_evalset, subset
+from gateway.sim.metrics import summarise
+from gateway.sim.qos_eval import pool_names
+from gateway.sim.simulator import CellSpec, run_cell
 
 RECORDS = 2000  # a small synthetic training set: the whole suite shares one build of it
 ADMIN_TOKEN = "test-admin-token"
@@ -118,6 +122,22 @@ def steady(evalset):
     """The evaluation set with STEADY_COST: a simulated test's outcome must not depend on how busy the
     machine was when its set was built."""
     return dataclasses.replace(evalset, cost=STEADY_COST)
+
+
+@pytest.fixture(scope="session")
+def small_sim(built):
+    """(config, estimators, evaluation set of 300 held-out prompts at STEADY_COST): the QoS policies' cells."""
+    cfg, _, est = built
+    return cfg, est, steady(load_evalset(cfg, 300, estimators=est))
+
+
+def three_tier_qos_cell(small_sim, policy: str) -> dict:
+    """The QoS tests' cell: three instances (72B, 14B, 7B) at 12 req/s with L = 50 ms; its summary row."""
+    cfg, est, ev = small_sim
+    pool_cfg, pool_ev = subset(cfg, ev, pool_names(cfg.instances, 3))
+    r = run_cell(pool_cfg, pool_ev, CellSpec(policy, arrivals=ArrivalSpec(rate=12.0), requests=300, seed=3,
+                                             tpot_slo_s=0.05), est)
+    return summarise(r.outcomes, r.models)
 
 
 def pool_config(tmp: Path, models_dir: str | None = None, **overrides) -> Path:

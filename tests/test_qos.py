@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import steady
+from conftest import three_tier_qos_cell
 from gateway.config import default_config_path, load_config
 from gateway.engine.engine import Engine, EngineSpec
 from gateway.scheduling.impact import Load, Running, StepCurves, added_seconds, assess, impact_per_token
@@ -19,11 +19,7 @@ from gateway.scheduling.loop import SchedulingLoop
 from gateway.scheduling.policies import registry
 from gateway.scheduling.policies.qos import Qos, QosOptions
 from gateway.scheduling.request import Completion, DispatchPlan, Estimates, RouteRequest, Ticket
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.evalset import load_evalset, subset
-from gateway.sim.metrics import summarise
 from gateway.sim.qos_eval import bench_decisions, pool_names, qos_cells, qos_pairs
-from gateway.sim.simulator import CellSpec, run_cell
 
 SPEC = EngineSpec(tpot_s=0.02, batch_slope=0.05, kv_read_per_token=1e-4, prefill_s_per_token=1e-3, max_num_seqs=8,
                   max_num_batched_tokens=2048, max_model_len=4096, block_size=16, num_gpu_blocks=1000)
@@ -212,24 +208,10 @@ def test_the_registry_builds_qos_from_its_table(two_7b):
 
 # ---- in the simulator -----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def sim(built):
-    cfg, _, est = built
-    return cfg, est, steady(load_evalset(cfg, 300, estimators=est))
-
-
-def test_a_simulated_cell_qos_beats_round_robin_where_it_matters(sim):
+def test_a_simulated_cell_qos_beats_round_robin_where_it_matters(small_sim):
     """Three instances (72B, 14B, 7B) at 12 req/s and L = 50 ms: round robin sends a third of the
     requests to the 72B tier, whose time per token (47.4 ms alone) crosses L under load."""
-    cfg, est, ev = sim
-    pool_cfg, pool_ev = subset(cfg, ev, pool_names(cfg.instances, 3))
-
-    def cell(policy: str) -> dict:
-        r = run_cell(pool_cfg, pool_ev, CellSpec(policy, arrivals=ArrivalSpec(rate=12.0), requests=300, seed=3,
-                                                 tpot_slo_s=0.05), est)
-        return summarise(r.outcomes, r.models)
-
-    qos, rr = cell("qos"), cell("passthrough+round_robin")
+    qos, rr = three_tier_qos_cell(small_sim, "qos"), three_tier_qos_cell(small_sim, "passthrough+round_robin")
     assert qos["qos"] > rr["qos"] + 0.05, (qos["qos"], rr["qos"])
     assert qos["tpot_mean"] < rr["tpot_mean"]
     assert qos["served"] >= 0.9 * qos["requests"]  # it wins by placing requests well, not by dropping them
@@ -249,8 +231,8 @@ def test_the_comparison_cells_and_pairs(built):
     assert any(p.name.startswith("qos-rl vs qos") for p in pairs)
 
 
-def test_bench_decisions_times_the_policy(sim):
-    cfg, _, ev = sim
+def test_bench_decisions_times_the_policy(small_sim):
+    cfg, _, ev = small_sim
     row = bench_decisions(registry.build("qos", cfg), cfg, ev, tracked=30, batches=20)
     assert 0 < row["per_request_s"] < 0.05  # the target is 5 ms; this is only a sanity bound
 

@@ -14,15 +14,10 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import steady
+from conftest import three_tier_qos_cell
 from gateway.estimators import ArtefactError
 from gateway.estimators.qos_actor import QosActor
 from gateway.scheduling.qos_state import INPUTS, N_MAX
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.evalset import load_evalset, subset
-from gateway.sim.metrics import summarise
-from gateway.sim.qos_eval import pool_names
-from gateway.sim.simulator import CellSpec, run_cell
 
 REPO = Path(__file__).resolve().parent.parent
 ACTOR = REPO / "models" / "qos_rl" / "actor.onnx"
@@ -97,23 +92,9 @@ def test_an_actor_of_another_feature_layout_is_refused(tmp_path):
         QosActor(tmp_path / "missing.onnx")
 
 
-@pytest.fixture(scope="module")
-def sim(built):
-    cfg, _, est = built
-    return cfg, est, steady(load_evalset(cfg, 300, estimators=est))
-
-
-def test_qos_rl_in_a_simulated_cell_beats_round_robin(sim):
+def test_qos_rl_in_a_simulated_cell_beats_round_robin(small_sim):
     """The cell of test_qos's heuristic test: three instances (72B, 14B, 7B), 12 req/s, L = 50 ms."""
-    cfg, est, ev = sim
-    pool_cfg, pool_ev = subset(cfg, ev, pool_names(cfg.instances, 3))
-
-    def cell(policy: str) -> dict:
-        r = run_cell(pool_cfg, pool_ev, CellSpec(policy, arrivals=ArrivalSpec(rate=12.0), requests=300, seed=3,
-                                                 tpot_slo_s=0.05), est)
-        return summarise(r.outcomes, r.models)
-
-    learned, rr = cell("qos-rl"), cell("passthrough+round_robin")
+    learned, rr = three_tier_qos_cell(small_sim, "qos-rl"), three_tier_qos_cell(small_sim, "passthrough+round_robin")
     assert learned["qos"] > rr["qos"] + 0.05, (learned["qos"], rr["qos"])
 
 
@@ -136,11 +117,11 @@ def test_live_qos_rl_streamed_and_not(stack):
         client.close()
 
 
-def test_a_tiny_training_run_exports_an_actor_that_loads(sim, tmp_path):
+def test_a_tiny_training_run_exports_an_actor_that_loads(small_sim, tmp_path):
     pytest.importorskip("torch", reason=TORCH)
     from gateway.sim.qos_rl_train import TrainSettings, train
 
-    cfg, est, ev = sim
+    cfg, est, ev = small_sim
     settings = TrainSettings(budget_s=2.0, max_episodes=2, episode_requests=40, train_prompts=240, eval_requests=30,
                              eval_every=1, warmup_steps=10, demo_episodes=1, imitation_updates=4, batch=16,
                              sizes=(3, 4))

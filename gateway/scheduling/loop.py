@@ -221,10 +221,7 @@ class SchedulingLoop:
         for ticket, (d, policy) in zip(batch, decided, strict=True):
             ticket.decision, ticket.decided_by = d, policy
             if d.refused is None and policy is not None and policy.overrides("hold"):
-                view = views.get(id(ticket.config))
-                if view is None:
-                    view = views[id(ticket.config)] = self.view(ticket.config, now)
-                if self._held(ticket, view):
+                if self._held(ticket, self._view_of(views, ticket, now)):
                     self.held.append(ticket)
                     continue
             if ticket.decision.refused is None:
@@ -237,9 +234,7 @@ class SchedulingLoop:
         out = []
         views: dict[int, PoolView] = {}  # one per config, dead-reckoned as requests go
         for ticket in list(self.held):
-            view = views.get(id(ticket.config))
-            if view is None:
-                view = views[id(ticket.config)] = self.view(ticket.config, now)
+            view = self._view_of(views, ticket, now)
             if self._held(ticket, view):
                 continue
             self.held.remove(ticket)
@@ -247,6 +242,13 @@ class SchedulingLoop:
                 self._book_first(ticket, now, view)
             out.append(ticket)
         return out
+
+    def _view_of(self, views: dict[int, PoolView], ticket: Ticket, now: float) -> PoolView:
+        """The round's working view of the ticket's config (made on first use)."""
+        view = views.get(id(ticket.config))
+        if view is None:
+            view = views[id(ticket.config)] = self.view(ticket.config, now)
+        return view
 
     def _held(self, ticket: Ticket, view: PoolView) -> bool:
         """Does the ticket's policy keep it in the gateway now? A policy that places it anew

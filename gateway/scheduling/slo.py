@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 NO_SLO = "none"  # the class of a request that carries no end-to-end SLO
+# The load generators' batch jobs (the simulator's and locust's): a request with an end-to-end SLO this
+# long or longer is a job whose client reads the whole answer, so it does not stream.
+BATCH_SLO_S = 60.0
 
 
 def slo_class(slo_s: float | None, classes: Mapping[str, float]) -> str:
@@ -37,3 +40,21 @@ def time_per_token(e2e_s: float, completion_tokens: int) -> float:
 
 def tpot_met(e2e_s: float, completion_tokens: int, tpot_slo_s: float) -> bool:
     return slo_met(time_per_token(e2e_s, completion_tokens), tpot_slo_s)
+
+
+def parse_slo_mix(text: str) -> tuple[tuple[float, float], ...]:
+    """An SLO mix written as SECONDS:SHARE pairs, `25:0.5,300:0.5` -> ((25.0, 0.5), (300.0, 0.5)); the
+    shares sum to at most 1 (the rest of the requests carry no SLO). ValueError naming the bad part."""
+    mix = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        seconds, sep, share = item.partition(":")
+        try:
+            pair = (float(seconds), float(share))
+        except ValueError:
+            pair = None
+        if not sep or pair is None:
+            raise ValueError(f"SLO mix: {item!r} is not SECONDS:SHARE")
+        mix.append(pair)
+    if sum(share for _, share in mix) > 1 + 1e-9 or any(s <= 0 or w < 0 for s, w in mix):
+        raise ValueError(f"SLO mix {text!r}: positive seconds, shares >= 0 summing to at most 1")
+    return tuple(mix)

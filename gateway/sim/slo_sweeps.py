@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.scheduling.slo import BATCH_SLO_S
 from gateway.sim.arrivals import ArrivalSpec
 from gateway.sim.simulator import CellSpec
 from gateway.sim.sweeps import RB_WEIGHTS, Cell, Pair
 
 SLO_MIX = ((25.0, 0.5), (300.0, 0.5))  # (seconds, share): interactive and batch
-STREAM_BELOW_S = 60.0  # batch jobs do not stream
+STREAM_BELOW_S = BATCH_SLO_S  # batch jobs do not stream
 ONE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 W_B_RATES = (20.0, 30.0, 40.0)
 W_C_RATE = 30.0
