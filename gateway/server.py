@@ -260,16 +260,18 @@ class Gateway:
                 self.scheduler.complete(ticket, Completion(ok, attempt.index, attempt.result.completion_tokens))
                 if spend.key is not None and spend.paid_usd:
                     self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
+                # Here, not after: a streaming client may hang up right after [DONE], which cancels
+                # this handler (handler_cancellation) with the answer already costed.
+                if attempt.result.cost_usd is not None:
+                    model = cfg.instance(attempt.instance).model
+                    self.metrics.cost.labels(model).inc(attempt.result.cost_usd)
+                    self.metrics.tokens.labels(model, "prompt").inc(attempt.result.prompt_tokens)
+                    self.metrics.tokens.labels(model, "completion").inc(attempt.result.completion_tokens)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
             if result.first_byte_s is not None:
                 self.metrics.ttft.labels(route).observe(result.first_byte_s - start)
-            if result.cost_usd is not None:
-                model = cfg.instance(attempt.instance).model
-                self.metrics.cost.labels(model).inc(result.cost_usd)
-                self.metrics.tokens.labels(model, "prompt").inc(result.prompt_tokens)
-                self.metrics.tokens.labels(model, "completion").inc(result.completion_tokens)
             if result.budget_exhausted:
                 self.metrics.budget_stops.inc()
             return resp
