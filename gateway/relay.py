@@ -108,6 +108,7 @@ class RelayResult:
     instance_failed: bool = False  # ...and the instance was to blame (not the client leaving, not the size cap)
     budget_exhausted: bool = False  # the stream was stopped because its next chunk would overspend
     usage: dict = field(default_factory=dict)  # what the client was told (or would have been)
+    final: bool = False  # cost_usd is the whole attempt's: its final usage was read, or its answer counted
 
 
 def _count(usage: dict, key: str) -> int:
@@ -122,6 +123,7 @@ def record_usage(usage: dict, costing: Costing, result: RelayResult, final: bool
     result.completion_tokens = _count(usage, "completion_tokens")
     result.cost_usd = usage["cost_usd"] = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = "upstream"
+    result.final = result.final or final
     if final and costing.annotate is not None:
         costing.annotate(usage, result.completion_tokens)
 
@@ -133,6 +135,7 @@ async def count_usage(texts: list[str], costing: Costing, result: RelayResult) -
     result.completion_tokens = await costing.count_text("".join(texts))
     result.cost_usd = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = COUNTED
+    result.final = True
     usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
              "total_tokens": result.prompt_tokens + result.completion_tokens, "cost_usd": result.cost_usd,
              "cost_source": COUNTED}

@@ -429,7 +429,11 @@ class Gateway:
             finally:
                 if attempt.evicted:  # aborted by the gateway before any answer: its prompt was read
                     cost = costing.cost(routed.input_tokens, 0)
-                # Unknown (the client left before a non-streamed answer came): all the attempt was allowed.
+                elif cost is None and result.final and result.cost_usd is not None:
+                    # The client left once the answer was costed (an SDK hangs up on [DONE], which cancels
+                    # this handler while the stream closes): the answer's own cost.
+                    cost = result.cost_usd
+                # Unknown (the client left before the answer was known): all the attempt was allowed.
                 spend.pay(cost if cost is not None else worst)
         if failure is not None:
             raise ApiError(failure.status, str(failure))

@@ -28,6 +28,7 @@ class Stub:
     status   answer every completion with this HTTP status (e.g. 500, 404)
     usage    False: send no usage, in full answers or streams (as llama.cpp streams)
     tokens   answer length in tokens when the request sets no max_tokens (default 20)
+    stop     the answer ends ("stop") after this many tokens, whatever max_tokens allows
     huge     a non-streamed answer of this many bytes
     cut      a stream that closes after this many token events, with no end
     delay_s  wait this long before answering
@@ -66,12 +67,15 @@ class Stub:
             return web.Response(body=b'{"pad": "' + b"x" * mode["huge"] + b'"}', content_type="application/json")
         n = body.get("n") or 1
         tokens = body.get("max_tokens") or body.get("max_completion_tokens") or mode.get("tokens", 20)
+        cut_short = mode.get("stop") is not None and mode["stop"] < tokens
+        tokens = min(tokens, mode["stop"]) if cut_short else tokens
+        last = "stop" if cut_short else "length"
         prompt = COUNTER.count_chat(body["messages"], body.get("tools") or ()) if "messages" in body else 10
         usage = {"prompt_tokens": prompt, "completion_tokens": tokens * n, "total_tokens": prompt + tokens * n}
         send_usage = mode.get("usage", True)
         if not body.get("stream"):
             choices = [{"index": i, "message": {"role": "assistant", "content": TOKEN * tokens},
-                        "finish_reason": "length"} for i in range(n)]
+                        "finish_reason": last} for i in range(n)]
             answer = {"id": "stub", "object": "chat.completion", "created": 1, "model": body["model"],
                       "choices": choices, **({"usage": usage} if send_usage else {})}
             return web.json_response(answer)
@@ -82,7 +86,7 @@ class Stub:
             if mode.get("cut") is not None and k == mode["cut"]:
                 request.transport.close()  # the instance dies mid-answer
                 return resp
-            reason = "length" if k == tokens - 1 else None
+            reason = last if k == tokens - 1 else None
             choices = [{"index": i, "delta": {"content": TOKEN}, "finish_reason": reason} for i in range(n)]
             await resp.write(_event({**head, "choices": choices}))
         if send_usage and (body.get("stream_options") or {}).get("include_usage"):

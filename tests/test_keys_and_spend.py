@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 
 import httpx
 import openai
+import orjson
 import pytest
 from stubs import MODEL, Stub, StubStack, stub_config, stub_instance
 
-from conftest import free_port
+from conftest import free_port, wait_for
 from gateway.scheduling.budget import clamp_max_tokens, per_token, predicted_cost
 from gateway.trust.keys import hash_key
 from gateway.trust.spend import SpendLedger, SqliteSpendStore, period_start
@@ -169,6 +171,43 @@ def test_a_limited_key_never_overspends_under_concurrency_and_keeps_its_spend_ac
         assert e.value.status_code == 402 and e.value.code == "spend_limit_exceeded"
     finally:
         again.stop()
+
+
+def test_a_stream_whose_client_leaves_on_done_pays_its_real_cost_not_the_worst_case(tmp_path, stubs, monkeypatch):
+    """An SDK hangs up as soon as it has [DONE]; aiohttp then cancels the gateway's handler, which may still
+    be closing the stream. The answer was complete and costed: the key pays that, not its worst case.
+    The hang-up is made certain by cancelling the gateway's own close of the stream."""
+    from aiohttp import web
+
+    close = web.StreamResponse.write_eof
+
+    async def client_gone(self, data=b""):
+        if "X-Route-Instance" in self.headers:  # the gateway's relay; the stubs close theirs as usual
+            raise asyncio.CancelledError
+        return await close(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", client_gone)
+    for stub in stubs:
+        stub.mode["stop"] = 20  # the model ends its answer long before max_tokens
+    stack = StubStack(keyed(tmp_path, stubs, limit=1.0), stubs)
+    try:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 500, "stream": True,
+                "stream_options": {"include_usage": True}}
+        lines = []
+        with httpx.stream("POST", stack.base_url + "/chat/completions", json=body, timeout=10,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            try:
+                lines += r.iter_lines()
+            except httpx.HTTPError:
+                pass  # the connection ends without its last chunk, as the client meant to leave anyway
+        assert "data: [DONE]" in lines
+        usage = next(orjson.loads(line[6:])["usage"] for line in lines
+                     if line.startswith("data: {") and orjson.loads(line[6:]).get("usage"))
+        assert usage["completion_tokens"] == 20  # the stub's answer
+        wait_for(lambda: spent(tmp_path) > 0, what="the attempt's payment")
+        assert spent(tmp_path) == pytest.approx(usage["cost_usd"])  # the worst case reserved 500 answer tokens
+    finally:
+        stack.stop()
 
 
 # ---- budgets that hold (finding 3) -----------------------------------------------------
