@@ -168,7 +168,7 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--sweep",
                    help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, "
-                        "qlm, qlm_cap, qos")
+                        "qlm, qlm_cap, qlm_multi, qos")
     p.add_argument("--requests", type=int, default=2500,
                    help="held-out prompts per cell (the paper's held-out set is 3534; 2500 keeps the five sweeps "
                         "at five seeds near 27 minutes on two cores, 3534 near 36)")
@@ -375,9 +375,10 @@ def format_rows(rows: list[dict]) -> str:
 
 
 # (figure, column title, format, width, gate): format_rows shows the column when some row's gate figure
-# is a number, i.e. its requests carry that SLO (end to end: slo_attainment; time per token: qos)
+# is a number, i.e. its requests carry that SLO (end to end: slo_attainment; time per token: qos), or its
+# pool has GPUs shared by several models (swaps)
 SLO_COLUMNS = (("slo_attainment", "SLO met", ".3f", 13, "slo_attainment"), ("qos", "QoS", ".4f", 15, "qos"),
-               ("tpot_mean", "TPOT (s)", ".4f", 15, "qos"))
+               ("tpot_mean", "TPOT (s)", ".4f", 15, "qos"), ("swaps", "swaps", ".0f", 6, "swaps"))
 
 
 def format_pairs(pairs: list[dict]) -> str:

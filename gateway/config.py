@@ -378,6 +378,8 @@ class Instance(Section):
     price_input_per_mtok: float = option(ge=0)  # USD per 1M tokens
     price_output_per_mtok: float = option(ge=0)
     tpot_prior_ms: float = option(gt=0)
+    # Instances naming the same gpu_id time-share one GPU, one model loaded at a time (simulated only).
+    gpu_id: str | None = option(None, nonempty=True)
     faults: Faults = Faults()
 
     def _validate(self) -> None:
@@ -429,6 +431,12 @@ class Config(Section):
                 raise ConfigError(f"duplicate url {inst.url!r} (also instances[{urls[inst.url]}])",
                                   f"instances[{i}].url")
             names[inst.name] = urls[inst.url] = i
+        shared: dict[str, Instance] = {}
+        for i, inst in enumerate(self.instances):
+            first = shared.setdefault(inst.gpu_id, inst) if inst.gpu_id is not None else inst
+            if (first.gpu, first.gpu_count) != (inst.gpu, inst.gpu_count):
+                raise ConfigError(f"shares gpu_id {inst.gpu_id!r} with {first.name!r}, so it must name the same gpu "
+                                  f"and gpu_count", f"instances[{i}].gpu_id")
         set_normalised(self, "_by_name", types.MappingProxyType({i.name: i for i in self.instances}))
         models = set(self.models())
         for i, alias in enumerate(self.server.aliases):

@@ -280,6 +280,18 @@ def test_duplicate_url():
     assert err.key == "instances[7].url" and "instances[2]" in err.reason
 
 
+def test_instances_sharing_a_gpu_must_name_the_same_gpu():
+    data = {"instances": [minimal_instance("a", 9001, gpu_id="g0"),
+                          minimal_instance("b", 9002, gpu_id="g0", model="n")]}
+    cfg = parse_config(data, "test.toml")
+    assert [i.gpu_id for i in cfg.instances] == ["g0", "g0"]
+    data["instances"][1]["gpu"] = "A100-80GB"
+    err = error_of(data)
+    assert err.key == "instances[1].gpu_id" and "'a'" in err.reason
+    data["instances"][1]["gpu_id"] = ""
+    assert error_of(data).key == "instances[1].gpu_id"
+
+
 @pytest.mark.parametrize("key", ["name", "url", "model", "gpu", "price_input_per_mtok",
                                  "price_output_per_mtok", "tpot_prior_ms"])
 def test_missing_required_key(key):

@@ -15,15 +15,16 @@ import pytest
 from conftest import Stack, pool_config, steady, wait_for
 from gateway.config import default_config_path, load_config
 from gateway.engine.engine import EngineSpec
+from gateway.scheduling.budget import per_token, predicted_cost
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
-from gateway.scheduling.qlm_plan import GroupView, greedy_plan, optimal_plan
+from gateway.scheduling.qlm_plan import GroupView, Queues, greedy_plan, optimal_plan
 from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length, wait
 from gateway.scheduling.request import Estimates, RouteRequest, Ticket
 from gateway.sim.arrivals import ArrivalSpec
 from gateway.sim.evalset import load_evalset
 from gateway.sim.metrics import summarise
-from gateway.sim.simulator import CellSpec, run_cell
+from gateway.sim.simulator import CellSpec, named_models, run_cell
 
 SPEC = EngineSpec(tpot_s=0.02, batch_slope=0.025, kv_read_per_token=0.0, prefill_s_per_token=1e-4,
                   max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192, block_size=16,
@@ -55,8 +56,9 @@ def test_a_group_that_cannot_be_saved_waits_behind_one_that_can_where_edf_serves
     running = np.array([5.0])
     hopeless = _group("late", 1.0, 5, [400.0], (0.5,), (0,))  # due in 1 s, needs far more
     savable = _group("ok", 30.0, 5, [100.0], (0.5,), (0,))
-    plan = greedy_plan([hopeless, savable], [model], running, np.array([True]), 0.9, 0.05)
-    edf = greedy_plan([hopeless, savable], [model], running, np.array([True]), 0.9, 0.0, order="edf")
+    queues = Queues.dedicated([model], running)
+    plan = greedy_plan([hopeless, savable], [model], queues, np.array([True]), 0.9, 0.05)
+    edf = greedy_plan([hopeless, savable], [model], queues, np.array([True]), 0.9, 0.0, order="edf")
     assert plan.queues[0] == [1, 0] and edf.queues[0] == [0, 1]
     assert plan.p_meet[1] > edf.p_meet[1]
 
@@ -66,9 +68,10 @@ def test_the_plan_prefers_the_better_model_that_still_meets_the_slo():
     slow = InstanceModel.of(dataclasses.replace(SPEC, tpot_s=0.1), 2.0)  # 100 tokens: 10 s at least
     usable = np.array([True, True])
     loose = _group("loose", 60.0, 1, [100.0, 100.0], quality=(0.3, 0.6))
-    assert greedy_plan([loose], [fast, slow], np.zeros(2), usable, 0.9, 0.05).placed[0] == 1  # both meet: the better
+    idle = Queues.dedicated([fast, slow], np.zeros(2))
+    assert greedy_plan([loose], [fast, slow], idle, usable, 0.9, 0.05).placed[0] == 1  # both meet: the better
     tight = _group("tight", 8.0, 1, [100.0, 100.0], quality=(0.3, 0.6))
-    assert greedy_plan([tight], [fast, slow], np.zeros(2), usable, 0.9, 0.05).placed[0] == 0  # only the fast meets
+    assert greedy_plan([tight], [fast, slow], idle, usable, 0.9, 0.05).placed[0] == 0  # only the fast meets
 
 
 def test_the_greedy_plan_generator_is_measured_against_exhaustive_search():
@@ -78,14 +81,62 @@ def test_the_greedy_plan_generator_is_measured_against_exhaustive_search():
     for _ in range(40):
         groups = [_group(k, float(rng.uniform(2, 40)), int(rng.integers(1, 9)), rng.uniform(50, 400, 2).tolist())
                   for k in range(int(rng.integers(2, 6)))]
-        running = rng.integers(0, 22, 2).astype(float)
+        queues = Queues.dedicated(models, rng.integers(0, 22, 2).astype(float))
         usable = np.array([True, True])
-        greedy = greedy_plan(groups, models, running, usable, 0.9, 0.05)
-        best = optimal_plan(groups, models, running, 0.9)
+        greedy = greedy_plan(groups, models, queues, usable, 0.9, 0.05)
+        best = optimal_plan(groups, models, queues, 0.9)
         assert greedy.met(groups, 0.9) <= best.met(groups, 0.9)  # the search is the optimum
         greedy_met += greedy.met(groups, 0.9)
         best_met += best.met(groups, 0.9)
     assert best_met > 0 and greedy_met >= 0.9 * best_met, (greedy_met, best_met)
+
+
+def _two_models_on_one_gpu(swap_s: float, running: float = 0.0, rest: tuple[float, ...] = ()):
+    """Instances 0 and 1: two models on one GPU (model 0 loaded, running `running` requests)."""
+    models = [InstanceModel.of(SPEC, 2.0, swap_s), InstanceModel.of(SPEC, 2.0, swap_s)]
+    return models, Queues((0, 0), {0: QueueLoad.empty(models[0], running, rest, member=0)})
+
+
+def test_a_request_for_the_other_model_waits_for_the_drain_and_the_swap():
+    models, queues = _two_models_on_one_gpu(8.0, running=2, rest=(300.0, 300.0))
+    load = queues.start[0]
+    assert load.toward(0, models[0]) is load  # the loaded model: no swap
+    swapped = load.toward(1, models[1])
+    drain = 300.0 * models[0].step_s(2)  # the running pair's answers, at the batch they run
+    assert swapped.start.mean == pytest.approx(drain + 8.0)
+    answer = length(100.0, 0.0)
+    assert completion(models[1], swapped, answer, 50).mean == pytest.approx(
+        drain + 8.0 + completion(models[1], QueueLoad.empty(models[1], 0), answer, 50).mean)
+
+
+def test_groups_of_one_model_gather_on_the_gpu_that_has_it_loaded():
+    """Two GPUs, each able to serve both models: the plan keeps each model on the GPU that holds it
+    rather than alternating models (and swaps) on both, as deadline order alone would."""
+    m = InstanceModel.of(SPEC, 2.0, swap_s=8.0)
+    models = [m] * 4  # instances 0, 1 on GPU 0 (model A, model B); 2, 3 on GPU 1 (A, B)
+    queues = Queues((0, 0, 1, 1), {0: QueueLoad.empty(m, 0, member=0), 1: QueueLoad.empty(m, 0, member=3)})
+    a = [_group(f"a{k}", 20.0 + k, 4, [150.0] * 4, (0.5,) * 4, candidates=(0, 2)) for k in range(3)]
+    b = [_group(f"b{k}", 20.5 + k, 4, [150.0] * 4, (0.5,) * 4, candidates=(1, 3)) for k in range(3)]
+    groups = [g for pair in zip(a, b, strict=True) for g in pair]  # deadlines alternate A, B, A, B, ...
+    plan = greedy_plan(groups, models, queues, np.ones(4, bool), 0.9, 0.05)
+    assert {plan.placed[g] for g in range(0, 6, 2)} == {0} and {plan.placed[g] for g in range(1, 6, 2)} == {3}
+    assert plan.met(groups, 0.9) == 24
+
+
+def test_the_greedy_plan_generator_is_measured_against_exhaustive_search_on_shared_gpus():
+    rng = np.random.default_rng(11)
+    greedy_met = best_met = 0
+    for _ in range(30):
+        models, queues = _two_models_on_one_gpu(float(rng.uniform(1, 10)), float(rng.integers(0, 5)),
+                                                tuple(rng.uniform(50, 300, 2)))
+        groups = [_group(k, float(rng.uniform(5, 60)), int(rng.integers(1, 6)), rng.uniform(50, 300, 2).tolist(),
+                         candidates=(int(rng.integers(0, 2)),)) for k in range(int(rng.integers(2, 6)))]
+        greedy = greedy_plan(groups, models, queues, np.ones(2, bool), 0.9, 0.05)
+        best = optimal_plan(groups, models, queues, 0.9)
+        assert greedy.met(groups, 0.9) <= best.met(groups, 0.9)
+        greedy_met += greedy.met(groups, 0.9)
+        best_met += best.met(groups, 0.9)
+    assert best_met > 0 and greedy_met >= 0.85 * best_met, (greedy_met, best_met)
 
 
 def test_a_held_request_takes_one_victim_until_the_pool_view_catches_up():
@@ -160,12 +211,52 @@ def test_eviction_aborts_batch_jobs_for_tight_slos_and_serves_each_request_once(
     quiet = run_cell(tight.with_options("qlm", eviction=False), ev, spec, est)
     assert not any(o.evictions for o in quiet.outcomes)
 
+    def extra_paid(outcome) -> float:
+        """What an evicted request cost beyond its prompt and answer paid once."""
+        inst = tight.instances[outcome.instance]
+        return outcome.cost_usd - float(predicted_cost(outcome.prompt_tokens, outcome.completion_tokens,
+                                                       per_token(inst.price_input_per_mtok),
+                                                       per_token(inst.price_output_per_mtok)))
+
+    # GPU-CPU state swap (on by default): a victim's KV cache waits in host memory and it resumes where it
+    # stopped, its prompt read once; without it every victim's prompt is read (and paid) again.
+    assert min(extra_paid(o) for o in evicted) == pytest.approx(0.0, abs=1e-12)
+    recomputed = [o for o in run_cell(tight.with_options("qlm", state_swap=False), ev, spec, est).outcomes
+                  if o.evictions]
+    assert recomputed and all(extra_paid(o) > 0 for o in recomputed)
+
 
 def test_edf_and_qlm_hold_requests_without_losing_any(sim):
     cfg, est, ev = sim
     for policy in ("edf", "qlm"):
         result = run_cell(cfg, ev, _cell(policy, requests=300, mega_share=0.0), est)
         assert all(o.instance >= 0 for o in result.outcomes)  # nothing lost while held
+
+
+def test_on_gpus_shared_by_several_models_qlm_swaps_rarely_and_meets_the_slos_edf_misses(sim):
+    """The paper's W_A: four GPUs time-share five models. EDF releases requests in deadline order, so the
+    models interleave and the GPUs swap all the time; QLM gathers each model's requests and warm-starts
+    the models next in its queues."""
+    from gateway.sim.pools import w_a
+    from gateway.sim.slo_sweeps import w_a_mix
+
+    cfg, est, ev = sim
+    pool_cfg, pool_ev = w_a(cfg, ev)
+    assert len(pool_cfg.instances) == 20 and len({i.gpu_id for i in pool_cfg.instances}) == 4
+    spec = _cell("qlm", arrivals=ArrivalSpec("gamma", 6.0, shape=0.5), requests=600, model=None, mega_share=0.0,
+                 models=w_a_mix(0.3))
+    results = {p: run_cell(pool_cfg, pool_ev, dataclasses.replace(spec, policy=p), est) for p in ("qlm", "edf")}
+    rows = {p: summarise(r.outcomes, r.models) for p, r in results.items()}
+    qlm, edf = results["qlm"], results["edf"]
+    assert qlm.swaps < edf.swaps / 2, (qlm.swaps, edf.swaps)
+    assert qlm.swap_s / qlm.swaps < edf.swap_s / edf.swaps  # warm starts: swaps from host memory
+    assert rows["qlm"]["slo_attainment"] > rows["edf"]["slo_attainment"] + 0.1, rows
+    assert all(o.instance >= 0 for o in qlm.outcomes)
+    asked = named_models(spec, 600)
+    assert len(set(asked)) == 5  # every model, the tail ones too
+    assert all(pool_cfg.instances[o.instance].model == m for o, m in zip(qlm.outcomes, asked, strict=True))
+    cold = run_cell(pool_cfg.with_options("qlm", warm_start=False), pool_ev, spec, est)
+    assert cold.swap_s / cold.swaps > qlm.swap_s / qlm.swaps  # no warm start: every swap from storage
 
 
 # ---- live --------------------------------------------------------------------------------------
@@ -265,7 +356,7 @@ def test_a_tight_slo_evicts_a_batch_job_and_every_client_gets_one_answer(client,
         assert a.usage.completion_tokens == 300 and len(a.choices[0].message.content.split()) == 300
 
 
-@pytest.mark.parametrize("name", ["qlm", "qlm_cap", "qos"])
+@pytest.mark.parametrize("name", ["qlm", "qlm_cap", "qlm_multi", "qos"])
 def test_each_paired_comparison_of_the_slo_sweeps_names_exactly_one_cell_a_side(name):
     from gateway.sim.catalog import PAIRS, SWEEPS
     from gateway.sim.sweeps import _identity, _matches

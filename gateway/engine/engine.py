@@ -18,10 +18,17 @@ batch_slope) tokens/s), and long contexts add the cost of reading their KV.
 When a decode step cannot get a KV block, the most recently admitted sequence
 is preempted by recompute: its blocks are freed and it returns to the head of
 the waiting queue, to prefill prompt and generated tokens again.
+
+A caller may also swap a request out (QLM's GPU-CPU state swap, which only
+the simulator does: stock vLLM gives a gateway no such control): its KV
+cache goes to host memory (`host_kv_tokens` of room) and, when the request
+is swapped in and admitted again, comes back at the host link's speed
+instead of being recomputed, so it resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +44,10 @@ class EngineSpec:
     max_model_len: int
     block_size: int
     num_gpu_blocks: int
+    # GPU-CPU state swap (simulated only: stock vLLM gives a gateway no such control): seconds to move one
+    # token's KV cache between GPU and host memory, and how many tokens' worth host memory holds.
+    kv_swap_s_per_token: float = 0.0
+    host_kv_tokens: int = 0
 
 
 class Sequence:
@@ -45,7 +56,7 @@ class Sequence:
     __slots__ = (
         "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
         "generated", "computed", "first_scheduled", "first_token_time",
-        "finish_time", "finish_reason", "preemptions", "prefill_done_time",
+        "finish_time", "finish_reason", "preemptions", "prefill_done_time", "in_host",
     )
 
     def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float):
@@ -64,6 +75,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.preemptions = 0
+        self.in_host = False  # its KV cache waits in host memory (swapped out), to be copied back when admitted
 
     @property
     def context(self) -> int:
@@ -109,7 +121,12 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[object, Sequence] = {}
+        self.swapped: dict[object, Sequence] = {}  # swapped out, KV cache in host memory, until swapped in or dropped
         self._plan: _Plan | None = None  # cached until state changes
+        self.last_step_end = now  # when the last step completed (the clock also moves while idle)
+        # Only requests that arrived by then are admitted: a GPU shared by several models serves them
+        # first come first served, so the loaded one stops taking requests that came after another's.
+        self.admit_until = math.inf
 
     # ---- queries ---------------------------------------------------------
     @property
@@ -133,6 +150,21 @@ class Engine:
 
     def get(self, rid) -> Sequence | None:
         return self._by_id.get(rid)
+
+    @property
+    def drained(self) -> bool:
+        """Nothing runs and nothing it may admit waits (what waits came after `admit_until`)."""
+        return not self.running and not (self.waiting and self.waiting[0].arrival <= self.admit_until)
+
+    def gate(self, admit_until: float) -> None:
+        if admit_until != self.admit_until:
+            self.admit_until = admit_until
+            self._plan = None
+
+    def resume(self, at: float) -> None:
+        """Its model is on the GPU again from `at`: nothing of it ran while another model was loaded."""
+        self.clock = max(self.clock, at)
+        self._plan = None
 
     def next_step_end(self) -> float | None:
         """When the next step would complete, or None if there is nothing to run."""
@@ -170,6 +202,39 @@ class Engine:
         seq.finish_time = max(now, self.clock)
         self._plan = None
         return seq
+
+    def swap_out(self, rid, now: float) -> Sequence | None:
+        """GPU-CPU state swap: take a request off the GPU, its KV cache copied to host memory (in the
+        background), to resume where it stopped when swapped in. None if unknown, done, or host memory
+        cannot hold its KV cache (the caller then aborts it)."""
+        seq = self._by_id.get(rid)
+        held = sum(s.computed for s in self.swapped.values())
+        if seq is None or held + seq.computed > self.spec.host_kv_tokens:
+            return None
+        del self._by_id[rid]
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.in_host = seq.computed > 0
+        self.swapped[rid] = seq
+        self._plan = None
+        return seq
+
+    def swap_in(self, rid, now: float) -> Sequence:
+        """Queue a swapped-out request again; when admitted its KV cache is copied back, not recomputed."""
+        seq = self.swapped.pop(rid)
+        if not self.busy:
+            self.clock = max(self.clock, now)
+        seq.arrival = max(now, 0.0)
+        self.waiting.append(seq)
+        self._by_id[rid] = seq
+        self._plan = None
+        return seq
+
+    def drop_swapped(self, rid) -> Sequence | None:
+        """Forget a swapped-out request (it went to another instance)."""
+        return self.swapped.pop(rid, None)
 
     def advance(self, until: float) -> StepReport:
         """Run every step that completes by `until`."""
@@ -229,10 +294,10 @@ class Engine:
         slots = spec.max_num_seqs - len(running)
         if not preempted:
             for s in self.waiting:
-                if s.arrival > start or slots <= 0 or budget <= 0:
+                if s.arrival > start or s.arrival > self.admit_until or slots <= 0 or budget <= 0:
                     break
                 chunk = min(s.pending, budget)
-                blocks = new_blocks(s, chunk)
+                blocks = new_blocks(s, chunk) + (-(-s.computed // size) if s.in_host else 0)
                 if blocks > free:
                     break
                 admitted.append(s)
@@ -245,7 +310,7 @@ class Engine:
             # Work that cannot start now: a later arrival, or a request whose
             # prompt does not fit even an empty cache (vLLM rejects those at
             # admission; we never admit them, so they wait until aborted).
-            later = [s.arrival for s in self.waiting if s.arrival > start]
+            later = [s.arrival for s in self.waiting if start < s.arrival <= self.admit_until]
             if not later:
                 return None
             self.clock = min(later)
@@ -257,6 +322,7 @@ class Engine:
         duration = spec.tpot_s * (
             1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
         ) + spec.prefill_s_per_token * prefill_tokens
+        duration += spec.kv_swap_s_per_token * sum(s.computed for s in admitted if s.in_host)  # copied back
         return _Plan(start, start + duration, admitted, work, decoding, preempted)
 
     def _commit(self, plan: _Plan, report: StepReport, seen: set[int]) -> None:
@@ -270,6 +336,7 @@ class Engine:
         for s in plan.admitted:
             self.waiting.remove(s)  # admitted ones are at the head, so this is O(1) in practice
             self.running.append(s)
+            s.in_host = False
             if s.first_scheduled is None:
                 s.first_scheduled = plan.start
 
@@ -298,5 +365,5 @@ class Engine:
         if plan.decoding:
             report.inter_token.append((end - plan.start, plan.decoding))
         report.steps += 1
-        self.clock = end
+        self.clock = self.last_step_end = end
         self._plan = None

@@ -55,6 +55,12 @@ QWEN25 = {
 GPU_TFLOPS = {"A100": 312.0, "H100": 989.0, "A30": 165.0, "V100": 125.0, "L40S": 362.0, "A10": 125.0}
 PREFILL_EFFICIENCY = 0.5  # share of peak FLOPs a prefill pass reaches
 NON_KV_OVERHEAD_GB = 1.5  # activations, CUDA graphs, allocator slack per GPU
+# Moving weights onto a GPU (a model swap): from host memory over PCIe 4.0 x16 (about 25 GB/s in
+# practice), and from storage first when the model is not warm in host memory (an NVMe read with
+# deserialisation, about 2 GB/s): a 7B model swaps warm in 0.6 s and cold in 8 s.
+HOST_TO_GPU_GBPS = 25.0
+STORAGE_TO_HOST_GBPS = 2.0
+SWAP_SPACE_GB = 4.0  # host memory for swapped-out KV caches per GPU (vLLM's --swap-space default)
 
 
 def arch_for(model: str) -> ModelArch:
@@ -103,7 +109,17 @@ def engine_spec(
         max_model_len=max_model_len,
         block_size=block_size,
         num_gpu_blocks=num_blocks,
+        kv_swap_s_per_token=arch.kv_bytes_per_token() / (gpu_count * HOST_TO_GPU_GBPS * 1e9),
+        host_kv_tokens=int(gpu_count * SWAP_SPACE_GB * 1e9 // arch.kv_bytes_per_token()),
     )
+
+
+def load_seconds(model: str, gpu_count: int = 1) -> tuple[float, float]:
+    """(warm, cold) seconds to load a model's weights onto its GPUs: from host memory, or from storage
+    into host memory first. The GPUs of a tensor-parallel instance load their shards side by side."""
+    gb = arch_for(model).weight_bytes() / 1e9
+    warm = gb / (HOST_TO_GPU_GBPS * gpu_count)
+    return warm, warm + gb / STORAGE_TO_HOST_GBPS
 
 
 def spec_for_instance(inst) -> EngineSpec:

@@ -217,8 +217,38 @@ def subset(cfg, evalset: EvalSet, names: Sequence[str]):
     keep = [k for k, inst in enumerate(cfg.instances) if inst.name in set(names)]
     if len(keep) != len(set(names)):
         raise ValueError(f"unknown instances in {sorted(set(names) - {i.name for i in cfg.instances})}")
-    idx = np.array(keep, dtype=np.int64)
-    ev = dataclasses.replace(evalset, label_score=evalset.label_score[:, idx],
-                             label_length=evalset.label_length[:, idx], quality=evalset.quality[:, idx],
-                             length=evalset.length[:, idx])
-    return dataclasses.replace(cfg, instances=tuple(cfg.instances[k] for k in keep)), ev
+    return dataclasses.replace(cfg, instances=tuple(cfg.instances[k] for k in keep)), _columns(evalset, keep)
+
+
+def shared_pool(cfg, evalset: EvalSet, gpus: Sequence[str], models: Sequence[tuple[str, str]]):
+    """(config, evaluation set) of a multi-model pool: the GPU of each instance named in `gpus` time-shares
+    every model of `models`, one loaded at a time (QLM's multi-model serving). Each model is a (name,
+    pool model) pair: a fine-tuned variant answers as the pool model does (its labels and estimates) at
+    that model's speed and price. One instance per GPU and model, "<gpu>/<k>", with gpu_id "<gpu>"."""
+    by_name = {inst.name: inst for inst in cfg.instances}
+    base = {}
+    for name, pool_model in models:
+        k = next((k for k, inst in enumerate(cfg.instances) if inst.model == pool_model), None)
+        if k is None:
+            raise ValueError(f"{name!r} answers as {pool_model!r}, which no instance serves")
+        base[name] = k
+    instances, columns = [], []
+    for g in gpus:
+        if g not in by_name:
+            raise ValueError(f"unknown instance {g!r}")
+        gpu = by_name[g]
+        for k, (name, _) in enumerate(models):
+            like = cfg.instances[base[name]]
+            instances.append(dataclasses.replace(like, name=f"{g}/{k}", url=f"{gpu.url}/m{k}", model=name, gpu=gpu.gpu,
+                                                 gpu_count=gpu.gpu_count, gpu_memory_gb=gpu.gpu_memory_gb,
+                                                 gpu_id=g))
+            columns.append(base[name])
+    return dataclasses.replace(cfg, instances=tuple(instances)), _columns(evalset, columns)
+
+
+def _columns(evalset: EvalSet, columns: Sequence[int]) -> EvalSet:
+    """The evaluation set whose per-instance columns are these columns of `evalset`, in order."""
+    idx = np.array(columns, dtype=np.int64)
+    return dataclasses.replace(evalset, label_score=evalset.label_score[:, idx],
+                               label_length=evalset.label_length[:, idx], quality=evalset.quality[:, idx],
+                               length=evalset.length[:, idx])

@@ -218,21 +218,33 @@ def robustness(rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def slo_bars(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
-    """SLO attainment and mean E2E of each system per workload and load (the SLO sweeps)."""
-    fig, axes = _pyplot().subplots(1, 2, figsize=(15, 5))
-    groups = list(dict.fromkeys(f"{r['workload']}\n@{r['rate']:g} req/s" for r in rows))
+    """SLO attainment and mean E2E (and throughput, when the sweep varies the model mix) of each system
+    per workload and load (the SLO sweeps)."""
+    figures = [("slo_attainment", "SLO attainment"), ("e2e_mean", "mean E2E (s)")]
+    if any("tail" in r for r in rows):
+        figures.append(("throughput", "throughput (req/s)"))
+    fig, axes = _pyplot().subplots(1, len(figures), figsize=(7.5 * len(figures), 5))
+
+    def group(r: dict) -> str:
+        tail = f", tail {r['tail']:.0%}" if "tail" in r else ""
+        return f"{r['workload']}\n@{r['rate']:g} req/s{tail}"
+
+    groups = list(dict.fromkeys(group(r) for r in rows))
     systems = list(dict.fromkeys(r["label"] for r in rows))
     width = 0.8 / len(systems)
     for k, label in enumerate(systems):
-        rs = {f"{r['workload']}\n@{r['rate']:g} req/s": r for r in rows if r["label"] == label}
+        rs = {group(r): r for r in rows if r["label"] == label}
         xs = [g + (k - (len(systems) - 1) / 2) * width for g, c in enumerate(groups) if c in rs]
         present = [rs[c] for c in groups if c in rs]
-        for ax, figure in ((axes[0], "slo_attainment"), (axes[1], "e2e_mean")):
+        for ax, (figure, _) in zip(axes, figures, strict=True):
             ax.bar(xs, [r[figure] for r in present], width, yerr=_err(present, figure), capsize=3,
                    color=f"C{k % 10}", label=label)
-    for ax, ylabel in ((axes[0], "SLO attainment"), (axes[1], "mean E2E (s)")):
+    for ax, (_, ylabel) in zip(axes, figures, strict=True):
         ax.set_xticks(range(len(groups)), groups, fontsize=8)
-        ax.set(ylabel=ylabel)
+        ax.set(ylabel=ylabel, xlim=(-0.5, len(groups) - 0.5))
+    e2e = [r["e2e_mean"] for r in rows if r["e2e_mean"] > 0]
+    if e2e and max(e2e) > 50 * min(e2e):
+        _log_scale(axes[1].yaxis)  # seconds and tens of minutes side by side
     axes[0].set(title="share of requests served within their SLO (95% intervals)")
     axes[0].set_ylim(bottom=min((r["slo_attainment"] for r in rows), default=0) * 0.9, top=1.0)
     axes[1].set(title="mean end-to-end latency")
@@ -293,7 +305,7 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
         return budget(rows, out_dir)
     if name == "robustness":
         return robustness(rows, out_dir)
-    if name in ("qlm", "qlm_cap"):
+    if name in ("qlm", "qlm_cap", "qlm_multi"):
         return slo_bars(rows, out_dir, name)
     if name == "qos":
         return qos_curves(rows, out_dir)

@@ -7,7 +7,9 @@ policies' hooks and assignment, the dispatch plans with their budget clamp,
 and the pool ledger, fed here by scrapes of each engine every
 `scrape_interval_s` and by the streamed progress of what was dispatched.
 What this driver adds is virtual time and the instances: `engine.Engine`,
-answering each prompt at its labelled length for the model that serves it.
+answering each prompt at its labelled length for the model that serves it
+(instances sharing a `gpu_id` run as one `engine.shared_gpu.SharedGpu`,
+which swaps their models in and out).
 Estimates come from the evaluation set's cache (the estimators are
 deterministic per prompt, so computing them once changes no decision).
 
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.engine.engine import Engine
-from gateway.engine.profiles import spec_for_instance
+from gateway.engine.profiles import load_seconds, spec_for_instance
+from gateway.engine.shared_gpu import SharedGpu
 from gateway.scheduling.budget import per_token, predicted_cost
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
@@ -52,6 +55,10 @@ class CellSpec:
     budget_price_per_mtok: float = 0.15  # USD per 1M tokens (the 14B tier's price)
     down: tuple[str, ...] = ()  # models whose instances are all down for the whole cell
     model: str | None = None  # a pool model: every request names it, as `model` does in the API
+    # Or a mix of pool models, (model, share of requests) pairs drawn per request from the seed (the QLM
+    # paper's multi-model W_A, on instances that share GPUs by `gpu_id`).
+    models: tuple[tuple[str, float], ...] = ()
+    host_slots: int = 2  # models a shared GPU's host memory keeps warm (QLM's warm start)
     max_tokens: int = DEFAULT_MAX_TOKENS  # what every simulated client asks for
     # End-to-end SLO mix: (seconds, share of requests) pairs, drawn per request from the seed; the
     # remaining share carries no SLO (the QLM paper's classes: interactive ~20-30 s, batch minutes).
@@ -68,6 +75,9 @@ class CellSpec:
     def __post_init__(self):
         if sum(share for _, share in self.slos) > 1 + 1e-9 or any(s <= 0 or w < 0 for s, w in self.slos):
             raise ValueError("slos: positive seconds, shares >= 0 summing to at most 1")
+        if self.models and (self.model is not None or abs(sum(w for _, w in self.models) - 1) > 1e-9
+                            or any(w < 0 for _, w in self.models)):
+            raise ValueError("models: shares >= 0 summing to 1, and no `model` beside them")
 
 
 @dataclass(slots=True)
@@ -98,6 +108,8 @@ class CellResult:
     models: tuple[str, ...]  # model of each instance, in config order
     batches: tuple[int, ...]  # size of each batch the scheduler fired
     ranked_down: tuple[int, ...] = ()  # requests whose decision put a down instance first
+    swaps: float = math.nan  # model loads on GPUs shared by several models (NaN: no GPU is shared)
+    swap_s: float = math.nan  # GPU seconds those loads took
 
 
 def budgets(spec: CellSpec, prompt_tokens: np.ndarray) -> list[float | None]:
@@ -119,6 +131,25 @@ def slos(spec: CellSpec, n: int) -> list[float | None]:
     return [spec.slos[k][0] if k < len(spec.slos) else None for k in picks]
 
 
+def named_models(spec: CellSpec, n: int) -> list[str | None]:
+    """The model each request names: the spec's one model, or a seeded draw from its mix."""
+    if not spec.models:
+        return [spec.model] * n
+    rng = np.random.default_rng(spec.seed + 32452843)
+    picks = np.searchsorted(np.cumsum([w for _, w in spec.models]), rng.random(n), side="right")
+    return [spec.models[min(k, len(spec.models) - 1)][0] for k in picks]
+
+
+def shared_gpus(instances, spec: CellSpec) -> list[SharedGpu]:
+    """Every instance's engine, on a GPU of its own or time-sharing one with those of its `gpu_id`."""
+    members: dict[object, dict[int, Engine]] = {}
+    for k, inst in enumerate(instances):
+        members.setdefault(inst.gpu_id if inst.gpu_id is not None else ("own", k), {})[k] = Engine(
+            spec_for_instance(inst))
+    return [SharedGpu(engines, {k: load_seconds(instances[k].model, instances[k].gpu_count) for k in engines},
+                      spec.host_slots) for engines in members.values()]
+
+
 def megas(spec: CellSpec, n: int) -> np.ndarray:
     """Which requests are mega prompts (a seeded choice of `mega_share` of them)."""
     return np.random.default_rng(spec.seed + 15485863).random(n) < spec.mega_share
@@ -132,14 +163,17 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     # The cell's policy is the default one, so its `order` hook orders the queue as it would live.
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=spec.policy))
     instances = cfg.instances
-    everyone = tuple(k for k, inst in enumerate(instances) if spec.model in (None, inst.model))
-    if not everyone:
-        raise ValueError(f"no instance serves {spec.model!r}")
-    engines = [Engine(spec_for_instance(i)) for i in instances]
+    named = named_models(spec, len(ev))
+    serving = {m: tuple(k for k, inst in enumerate(instances) if m in (None, inst.model)) for m in set(named)}
+    if not all(serving.values()):
+        raise ValueError(f"no instance serves {[m for m, c in serving.items() if not c]}")
+    gpus = shared_gpus(instances, spec)
+    engines = [e for _, e in sorted((k, e) for gpu in gpus for k, e in gpu.engines.items())]
     down = {k for k, inst in enumerate(instances) if inst.model in spec.down}
     ledger = PoolLedger()
-    # The 429 bound is the live server's concern; every simulated request names the same candidates.
-    core = SchedulingLoop(ledger, max_queue=1 << 30, resolve=lambda _cfg, _model: everyone, estimators=estimators)
+    # The 429 bound is the live server's concern; each simulated request names its model's instances.
+    core = SchedulingLoop(ledger, max_queue=1 << 30, resolve=lambda _cfg, model: serving[model or None],
+                          estimators=estimators)
     policy = core.policies(cfg).get(spec.policy)
     if isinstance(policy, Refusal):
         raise ValueError(policy.message)
@@ -153,10 +187,10 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     outcomes = [Outcome(float(t), prompt_tokens=int(prompt_tokens[r]), budget_usd=budget_of[r], slo_s=slo_of[r],
                         slo_class=class_of[r], tpot_slo_s=spec.tpot_slo_s)
                 for r, t in enumerate(times)]
-    tickets = [Ticket(RouteRequest(everyone, ev.prompts[r], int(prompt_tokens[r]), spec.max_tokens,
+    tickets = [Ticket(RouteRequest(serving[named[r]], ev.prompts[r], int(prompt_tokens[r]), spec.max_tokens,
                                    spec.weights, budget_of[r], spec.policy, slo_s=slo_of[r],
                                    tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r]),
-                      spec.model or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
+                      named[r] or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
                       config=cfg, handle=r) for r in range(len(ev))]
     in_flight: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), until seen finished
     sequences: dict[int, tuple[int, object]] = {}
@@ -173,10 +207,19 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
         return Estimates(ev.quality[rows], ev.length[rows], ev.embeddings[rows])
 
     def advance(t: float) -> None:
-        for k, e in enumerate(engines):
-            report = e.advance(t)
-            generated[k] += report.generation_tokens
-            prefilled[k] += report.prompt_tokens
+        for gpu in gpus:
+            for k, report in gpu.advance(t).items():
+                generated[k] += report.generation_tokens
+                prefilled[k] += report.prompt_tokens
+
+    warming = policy.overrides("warm") and any(len(gpu.engines) > 1 for gpu in gpus)
+
+    def warm(t: float) -> None:
+        """The policy's warm start: the models it wants in host memory next."""
+        wanted = policy.warm()
+        for gpu in gpus:
+            if len(gpu.engines) > 1:
+                gpu.warm([k for k in wanted if k in gpu.engines], t)
 
     first_heard: set[int] = set()
 
@@ -212,6 +255,13 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
         compute += policy.compute_s(len(batch), ev.cost)
         return t + compute, batch, decided
 
+    parked: dict[int, int] = {}  # evicted requests whose KV cache waits in an instance's host memory
+
+    def unpark(rid: int, i: int) -> None:
+        """An evicted request's kept KV cache is dropped: its prompt was read for nothing, and is paid."""
+        engines[i].drop_swapped(rid)
+        outcomes[rid].cost_usd += float(predicted_cost(outcomes[rid].prompt_tokens, 0, prices_in[i], prices_out[i]))
+
     def dispatch(t: float, decided: list[Ticket]) -> None:
         """Send decided requests to their engines; a refused one is answered at once."""
         for ticket in decided:
@@ -234,22 +284,33 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             out.instance, out.dispatched = i, t
             out.quality = float(ev.label_score[rid, i])
             out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, spec.max_tokens)
-            seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
-                                 output_tokens=label, now=t)
+            held_on = parked.pop(rid, None)
+            if held_on == i:  # its KV cache waits in i's host memory: it resumes
+                seq = engines[i].swap_in(rid, t)
+            else:
+                if held_on is not None:
+                    unpark(rid, held_on)
+                seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
+                                     output_tokens=label, now=t)
             in_flight[rid] = sequences[rid] = (i, seq)
 
+
     def evict(t: float) -> None:
-        """Requests the policy evicts: aborted on their engine (the work is lost) and held again."""
+        """Requests the policy evicts: aborted on their engine (the work is lost), or swapped out to its host
+        memory when the policy keeps their state; either way held again."""
         for ticket in core.evictions(cfg, t):
             rid = ticket.handle
             i, seq = in_flight.pop(rid)
             del sequences[rid]
-            engines[i].abort(rid, t)
             first_heard.discard(rid)
             out = outcomes[rid]
             out.instance, out.evictions = -1, out.evictions + 1
-            # Paid, as live: the instance read its prompt before the abort.
-            out.cost_usd += float(predicted_cost(out.prompt_tokens, 0, prices_in[i], prices_out[i]))
+            if policy.keeps_state(ticket, i) and engines[i].swap_out(rid, t) is not None:
+                parked[rid] = i
+            else:
+                engines[i].abort(rid, t)
+                # Paid, as live: the instance read its prompt before the abort.
+                out.cost_usd += float(predicted_cost(out.prompt_tokens, 0, prices_in[i], prices_out[i]))
             core.requeue(ticket, t)
 
     # The live loop re-reads the window rule when a request arrives, when a batch
@@ -269,6 +330,8 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
             if evicting:
                 evict(clock)
             dispatch(clock, core.release_held(clock))
+            if warming:
+                warm(clock)
         t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
         t_dispatch = pending[0] if pending is not None else math.inf
         at = core.fire_at(window, clock) if pending is None else None
@@ -307,12 +370,21 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     for ticket in list(core.held):  # held when nothing was left to free room: refused
         outcomes[ticket.handle].finished = clock
         core.withdraw(ticket, clock)
-    for e in engines:
-        e.advance(math.inf)
+        if ticket.handle in parked:
+            unpark(ticket.handle, parked.pop(ticket.handle))
+    for gpu in gpus:
+        gpu.advance(math.inf)
     for rid, (_, seq) in sequences.items():
         _record(outcomes[rid], seq)
     return CellResult(spec, tuple(_costed(outcomes, prices_in, prices_out)), tuple(i.model for i in instances),
-                      tuple(batches), tuple(ranked_down))
+                      tuple(batches), tuple(ranked_down), *_swaps(gpus))
+
+
+def _swaps(gpus: list[SharedGpu]) -> tuple[float, float]:
+    shared = [g for g in gpus if len(g.engines) > 1]
+    if not shared:
+        return math.nan, math.nan
+    return float(sum(g.swaps for g in shared)), sum(g.swap_s for g in shared)
 
 
 def _record(out: Outcome, seq) -> None:

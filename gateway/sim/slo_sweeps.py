@@ -16,6 +16,14 @@ Systems: `qlm`, `edf` (deadline order on the same machinery), RouteBalance
 (uniform weights, first come first served at the gateway) and passthrough
 round robin (vLLM's own FCFS queue behind a plain balancer).
 
+    routebalance sim --sweep qlm_multi
+
+W_A, multi-model (pools.py): four GPUs time-share five models, one loaded at
+a time, with the same SLO mix at 6 req/s; the tail models take 5%, 15% or
+30% of the requests. The simulated GPUs swap models (engine/shared_gpu.py);
+QLM plans around the swaps and warm-starts the models next in its queues.
+The ablation adds warm start to the other operations.
+
     routebalance sim --sweep qlm_cap
 
 QLM's pulling cap (`slowdown`: an instance takes requests while its decode
@@ -29,6 +37,7 @@ from collections.abc import Sequence
 
 from gateway.scheduling.slo import BATCH_SLO_S
 from gateway.sim.arrivals import ArrivalSpec
+from gateway.sim.pools import W_A_POPULAR, W_A_TAIL
 from gateway.sim.simulator import CellSpec
 from gateway.sim.sweeps import RB_WEIGHTS, Cell, Pair
 
@@ -40,22 +49,35 @@ W_C_RATE = 30.0
 AUTO_RATE = 30.0
 MEGA_SHARE = 0.05
 ABLATION = (("no pulling", {"pulling": False}), ("no eviction", {"eviction": False}),
-            ("no grouping", {"grouping": False}))
+            ("no state swap", {"state_swap": False}), ("no grouping", {"grouping": False}))
 SLO_PAIRED = ("slo_attainment", "e2e_mean", "quality")
+# W_A (pools.py): requests name one of the pool's models, the tail models taking a share of them; the
+# load is what four GPUs serve without swapping (W_B runs 20-40 req/s on five).
+W_A_TAIL_SHARES = (0.05, 0.15, 0.3)
+W_A_RATE = 6.0
+W_A_ABLATION = (("no warm start", {"warm_start": False}), *ABLATION)
 
 
-def _spec(policy: str, rate: float, n: int, model: str | None, mega: float) -> CellSpec:
+def w_a_mix(tail: float) -> tuple[tuple[str, float], ...]:
+    """Each request's model: the popular ones share 1 - tail equally, the tail ones share `tail`."""
+    return (tuple((name, (1 - tail) / len(W_A_POPULAR)) for name, _ in W_A_POPULAR)
+            + tuple((name, tail / len(W_A_TAIL)) for name, _ in W_A_TAIL))
+
+
+def _spec(policy: str, rate: float, n: int, model: str | None, mega: float,
+          models: tuple[tuple[str, float], ...] = ()) -> CellSpec:
     return CellSpec(policy, RB_WEIGHTS["uniform"], ArrivalSpec("gamma", rate, shape=0.5), n, slos=SLO_MIX,
-                    stream_below_s=STREAM_BELOW_S, model=model, mega_share=mega)
+                    stream_below_s=STREAM_BELOW_S, model=model, mega_share=mega, models=models)
 
 
-def _systems(workload: str, rate: float, n: int, model: str | None, mega: float) -> list[Cell]:
-    tags = {"workload": workload}
-    return [Cell("qlm", "qlm", _spec("qlm", rate, n, model, mega), tags=tags),
-            Cell("edf", "edf", _spec("edf", rate, n, model, mega), tags=tags),
-            Cell("routebalance", "uniform (FCFS)", _spec("routebalance", rate, n, model, mega), tags=tags),
-            Cell("passthrough", "round_robin (vLLM FCFS)", _spec("passthrough+round_robin", rate, n, model, mega),
-                 tags=tags)]
+def _systems(workload: str, rate: float, n: int, model: str | None, mega: float,
+             models: tuple[tuple[str, float], ...] = (), tags: dict | None = None) -> list[Cell]:
+    tags = {"workload": workload, **(tags or {})}
+    return [Cell("qlm", "qlm", _spec("qlm", rate, n, model, mega, models), tags=tags),
+            Cell("edf", "edf", _spec("edf", rate, n, model, mega, models), tags=tags),
+            Cell("routebalance", "uniform (FCFS)", _spec("routebalance", rate, n, model, mega, models), tags=tags),
+            Cell("passthrough", "round_robin (vLLM FCFS)",
+                 _spec("passthrough+round_robin", rate, n, model, mega, models), tags=tags)]
 
 
 def qlm(n: int) -> list[Cell]:
@@ -98,3 +120,25 @@ def qlm_cap_pairs(cells: Sequence[Cell]) -> list[Pair]:
         pairs += [Pair(f"slowdown {sd:g} vs 2, {workload}", {"label": f"qlm, slowdown {sd:g}", **at},
                        {"label": "qlm, slowdown 2", **at}, SLO_PAIRED) for sd in CAP_SLOWDOWNS if sd != 2.0]
     return pairs
+
+
+def qlm_multi(n: int) -> list[Cell]:
+    """W_A: the four systems at each tail share, and the ablation (warm start too) at the middle one."""
+    cells = [c for tail in W_A_TAIL_SHARES
+             for c in _systems("W_A multi-model", W_A_RATE, n, None, 0.0, w_a_mix(tail), {"pool": "W_A", "tail": tail})]
+    middle = W_A_TAIL_SHARES[1]
+    tags = {"workload": "W_A multi-model", "pool": "W_A", "tail": middle}
+    return cells + [Cell("qlm", f"qlm, {label}", _spec("qlm", W_A_RATE, n, None, 0.0, w_a_mix(middle)),
+                         (("qlm", changes),), tags) for label, changes in W_A_ABLATION]
+
+
+def qlm_multi_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    pairs = []
+    for tail in W_A_TAIL_SHARES:
+        at = {"workload": "W_A multi-model", "tail": tail}
+        pairs += [Pair(f"qlm vs {other}, W_A tail {tail:g}", {"label": "qlm", **at}, {"label": other, **at},
+                       SLO_PAIRED)
+                  for other in ("edf", "uniform (FCFS)", "round_robin (vLLM FCFS)")]
+    at = {"workload": "W_A multi-model", "tail": W_A_TAIL_SHARES[1]}
+    return pairs + [Pair(f"qlm vs qlm {label}, W_A", {"label": "qlm", **at}, {"label": f"qlm, {label}", **at},
+                         SLO_PAIRED) for label, _ in W_A_ABLATION]

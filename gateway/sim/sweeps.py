@@ -374,9 +374,14 @@ def run_seed(task: tuple[Cell, int]) -> tuple[dict, RequestArrays]:
         from gateway.sim.evalset import subset
 
         cfg, evalset = subset(cfg, evalset, cell.tags["instances"].split(","))
+    if "pool" in cell.tags:  # a cell on a pool made for it (the QLM sweep's multi-model W_A)
+        from gateway.sim.pools import POOLS
+
+        cfg, evalset = POOLS[cell.tags["pool"]](cfg, evalset)
     result = run_cell(configured(cfg, cell.config_changes), evalset, dataclasses.replace(cell.spec, seed=seed), est)
     row = {**_identity(cell), "seed": seed, **summarise(result.outcomes, result.models),
-           "batch_mean": sum(result.batches) / max(len(result.batches), 1)}
+           "batch_mean": sum(result.batches) / max(len(result.batches), 1), "swaps": result.swaps,
+           "swap_s": result.swap_s}
     return row, RequestArrays.of(result.outcomes, result.models)
 
 

@@ -26,6 +26,14 @@ the same code. Hooks:
   evicted (not streamed, or streamed before its first token), so the client
   gets one answer; the loop drops any other. An evicted request is held (its
   policy's `hold` decides when it goes again) and its aborted attempt is paid.
+- `keeps_state(ticket, instance)`: whether a request this policy evicts
+  from `instance` keeps its KV cache in host memory (GPU-CPU state swap),
+  to resume where it stopped when it goes back there. Only the simulator's
+  engines can; live, eviction always recomputes.
+- `warm()`: instances whose models the policy wants in host memory next,
+  most wanted first (QLM's warm start). Only GPUs shared by several models
+  (`gpu_id`) in the simulator heed it: stock vLLM gives a gateway no control
+  of its weights.
 - `on_dispatch(ticket, plan, now)`, `on_first_token(ticket, now)`,
   `on_progress(ticket, tokens, now)` (answer tokens so far),
   `on_complete(ticket, completion, now)`: lifecycle events, for policies that
@@ -74,6 +82,12 @@ class Policy:
         return False
 
     def evict(self, view: PoolView, now: float) -> Sequence[Ticket]:
+        return ()
+
+    def keeps_state(self, ticket: Ticket, instance: int) -> bool:
+        return False
+
+    def warm(self) -> Sequence[int]:
         return ()
 
     def on_dispatch(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:

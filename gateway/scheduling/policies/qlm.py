@@ -18,12 +18,26 @@ What QLM does here, operation by operation (sections 4-7):
   a slot but would meet it starting now, a running request of the same
   instance with slack to spare, whose client has seen nothing yet (not
   streamed, or before its first token), is aborted and queued again.
-- Model swapping, GPU-CPU state swap and warm start need control of the
-  engine that stock vLLM does not give a gateway; they are not done here.
+- Model swapping: instances that share a GPU (`gpu_id`, several models time-
+  sharing one device) share one virtual queue; a group of another model than
+  the one the queue ends with waits for the drain and the swap (rct.py), so
+  the plan gathers each model's groups on the GPUs that hold it, and pulling
+  releases one model's requests at a time (a request goes only when no other
+  model of its GPU has requests in flight), so the GPU swaps once per stretch.
+- Warm start (`warm`): the models next in each shared GPU's queue are named
+  for host memory, so their swap is a copy over PCIe, not a read from storage.
+  Only the simulator's engine model heeds it: stock vLLM gives a gateway no
+  control of its weights.
+- GPU-CPU state swap (`keeps_state`): an evicted request's KV cache goes to
+  host memory when copying it over the host link is faster than computing
+  it again (the paper's Insight #2; on this pool it always is), so it
+  resumes where it stopped. Simulated engines only; live, eviction
+  recomputes.
 
 `edf` is the paper's EDF baseline on the same machinery: requests pulled in
 deadline order, each on the instance where it finishes soonest; no groups,
-no deferral of hopeless requests, no eviction.
+no deferral of hopeless requests, no eviction, swaps taken as free and no
+warm start.
 
 Requests without an SLO are planned as if their deadline were `no_slo_s`
 away. A request whose SLO no candidate can meet even on an idle instance is
@@ -42,9 +56,9 @@ from typing import Literal
 import numpy as np
 
 from gateway.config_schema import Section, build_section, option, section
-from gateway.engine.profiles import spec_for_instance
+from gateway.engine.profiles import load_seconds, spec_for_instance
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
-from gateway.scheduling.qlm_plan import GroupView, choose, greedy_plan, soonest
+from gateway.scheduling.qlm_plan import GroupView, Queues, choose, greedy_plan, soonest
 from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length
 from gateway.scheduling.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
 from gateway.scheduling.view import PoolView
@@ -73,6 +87,10 @@ class QlmOptions(Section):
     pulling: bool = True  # off: dispatch at once to the planned instance (vLLM's own queue orders)
     eviction: bool = True
     grouping: bool = True  # off: every request is its own group
+    warm_start: bool = True  # off: every swap on a shared GPU loads its model from storage
+    # Off: an evicted request starts over. Simulated engines only: live it always starts over (on the instance
+    # it left, where the plan pins it while on).
+    state_swap: bool = True
     max_evictions: int = option(1, ge=0)  # per request
     # An instance whose KV cache is this full (at the last scrape) takes no more requests: they would
     # wait in vLLM's own queue, behind whatever fills it (the mega prompts of the paper's W_C).
@@ -123,19 +141,29 @@ class Qlm(Policy):
     def __init__(self, instances: tuple, options: QlmOptions, mode: Literal["plan", "edf"] = "plan"):
         self.mode = mode
         self.options = options
-        self.models = [InstanceModel.of(spec_for_instance(i), options.slowdown) for i in instances]
+        self.models = [InstanceModel.of(spec_for_instance(i), options.slowdown, _swap_s(i, mode))
+                       for i in instances]
         self.instances = instances
+        gpus: dict[object, int] = {}
+        self.queue_of = tuple(gpus.setdefault(("own", k) if inst.gpu_id is None else inst.gpu_id, len(gpus))
+                              for k, inst in enumerate(instances))  # instance -> its virtual queue (its GPU)
+        self.members = {q: tuple(i for i, g in enumerate(self.queue_of) if g == q) for q in gpus.values()}
+        # GPU -> the instance whose model is loaded (the first, as a shared GPU starts; then the last dispatched).
+        self.loaded = {q: members[0] for q, members in self.members.items()}
+        self._next_models: list[int] = []  # what `warm` names, from the last plan
         self._lock = threading.Lock()  # assign runs in the scheduler's worker thread, the rest on the loop
         self.groups: dict[tuple, Group] = {}
         self.group_of: dict[Ticket, Group] = {}
         self.running: dict[int, dict[Ticket, Running]] = {}  # instance -> what this policy runs there
         self._order: dict[Ticket, int] = {}  # held ticket -> its planned instance
-        self._queues: dict[int, deque[Ticket]] = {}  # instance -> its held requests in planned order
-        self._loads: dict[int, QueueLoad] = {}  # instance -> its queue as the estimator saw it when planned
+        self._queues: dict[int, deque[Ticket]] = {}  # virtual queue -> its held requests in planned order
+        self._loads: dict[int, QueueLoad] = {}  # virtual queue -> its load as the estimator saw it when planned
         self._running_on: dict[Ticket, int] = {}
         # Held requests a victim was already evicted for: the pool view shows the freed slot only at the
         # next scrape, and until then the same head must not take a second victim.
         self._rescued: set[Ticket] = set()
+        # Evicted requests whose KV cache waits in an instance's host memory (state swap): they go back there.
+        self._resume_on: dict[Ticket, int] = {}
         self._dirty = True  # requests joined since the last plan
         self._planned_at = -math.inf
         # Workload profile, learnt as requests complete: per (model, prompt bucket), the answer tokens
@@ -199,7 +227,7 @@ class Qlm(Policy):
             if self._dirty or (self.mode == "plan" and view.now - self._planned_at >= self.options.replan_s):
                 self._replan(view)  # EDF's order only changes as requests join
             i = self._order[ticket]
-            queue = self._queues[i]
+            queue = self._queues[self.queue_of[i]]
             if self._pulling and (queue[0] is not ticket or not self._has_room(i, view)):
                 return True
             queue.remove(ticket)  # the head, unless pulling is off
@@ -212,6 +240,11 @@ class Qlm(Policy):
                         tokens=float(detail.answer_tokens[i]), detail=detail)
 
     def _has_room(self, i: int, view: PoolView) -> bool:
+        """Room on instance i: below its cap, nothing in vLLM's queue, KV to spare; and on a shared GPU,
+        no other model's request in flight (the GPU finishes one model's stretch before it swaps)."""
+        siblings = self.members[self.queue_of[i]]
+        if len(siblings) > 1 and any(view.in_flight[j] > 0 for j in siblings if j != i):
+            return False
         return (bool(view.available[i]) and view.in_flight[i] < self.models[i].cap and view.waiting[i] == 0
                 and view.kv_usage[i] < self.options.kv_limit)
 
@@ -224,7 +257,9 @@ class Qlm(Policy):
     def _join(self, ticket: Ticket) -> None:
         req = ticket.request
         key: tuple
-        if self._grouping:
+        if ticket in self._resume_on:  # its KV cache waits on one instance: a group of its own, pinned there
+            key = ("resume", id(ticket))
+        elif self._grouping:
             base = (req.candidates, req.slo_class, _planned(ticket).bucket)
             n = 0
             while len(self.groups.get((*base, n), Group(())).members) >= self.options.max_group:
@@ -241,11 +276,12 @@ class Qlm(Policy):
         """Place a request of its own group into the current plan: on the instance the plan generator
         would choose given the queues, at its deadline's place (a deferred one: at the end)."""
         group = self._group_view(self.group_of[ticket], view.now)
-        placed = choose(group, self.models, self._loads, view.available, self.options.confidence,
+        placed = choose(group, self.models, self._loads, self.queue_of, view.available, self.options.confidence,
                         self.options.floor, self.mode)
-        i, _, answer = placed or soonest(group, self.models, self._loads, view.available)
-        self._loads[i] = self._loads[i].plus(answer)
-        queue, deadline = self._queues[i], self._deadline(ticket)
+        i, _, answer = placed or soonest(group, self.models, self._loads, self.queue_of, view.available)
+        q = self.queue_of[i]
+        self._loads[q] = self._loads[q].toward(i, self.models[i]).plus(answer)
+        queue, deadline = self._queues[q], self._deadline(ticket)
         at = len(queue)
         if placed is not None:
             at = next((k for k, t in enumerate(queue) if self._deadline(t) > deadline), len(queue))
@@ -255,6 +291,7 @@ class Qlm(Policy):
 
     def _leave(self, ticket: Ticket) -> None:
         self._rescued.discard(ticket)
+        self._resume_on.pop(ticket, None)
         group = self.group_of.pop(ticket, None)
         if group is None:
             return
@@ -262,35 +299,59 @@ class Qlm(Policy):
         if not group.members:
             del self.groups[group.key]
         i = self._order.pop(ticket, None)
-        if i is not None and ticket in self._queues.get(i, ()):
-            self._queues[i].remove(ticket)
+        if i is not None and ticket in self._queues.get(self.queue_of[i], ()):
+            self._queues[self.queue_of[i]].remove(ticket)
 
     def _replan(self, view: PoolView) -> None:
         """Place and order every held group; each instance's queue of held requests follows."""
         groups = [g for g in self.groups.values() if g.members]
         views = [self._group_view(g, view.now) for g in groups]
-        running = np.array([self._running(i, view) for i in range(len(self.models))])
-        plan = greedy_plan(views, self.models, running, view.available, self.options.confidence, self.options.floor,
-                           order=self.mode)
-        self._loads = {i: QueueLoad.empty(m, running[i]) for i, m in enumerate(self.models)}
-        for i, order in plan.queues.items():
-            for g in order:
-                answer = length(float(views[g].answer_tokens[i]), views[g].cv)
-                self._loads[i] = self._loads[i].plus(answer, views[g].size)
+        plan = greedy_plan(views, self.models, self._queues_now(view), view.available, self.options.confidence,
+                           self.options.floor, order=self.mode)
+        self._loads = plan.loads
         self._order.clear()
-        self._queues = {i: deque(t for g in order for t in groups[g].members) for i, order in plan.queues.items()}
-        for i, held in self._queues.items():
-            for t in held:
-                self._order[t] = i
+        self._queues = {q: deque(t for g in order for t in groups[g].members) for q, order in plan.queues.items()}
+        self._next_models = []
+        for q, order in plan.queues.items():
+            for g in order:
+                for t in groups[g].members:
+                    self._order[t] = plan.placed[g]
+            if len(self.members[q]) > 1:  # the models after the loaded one's stretch, in the order they come
+                stretch = [plan.placed[g] for g in order]
+                head = next((k for k, i in enumerate(stretch) if i != self.loaded[q]), len(stretch))
+                self._next_models += dict.fromkeys(stretch[head:])
         self._dirty = False
         self._planned_at = view.now
+
+    def _queues_now(self, view: PoolView) -> Queues:
+        """Each virtual queue as it stands before the plan: what runs on its GPU now (on a shared GPU,
+        the loaded model's requests and the answer tokens they have still to give)."""
+        start = {}
+        for q, members in self.members.items():
+            if len(members) == 1:
+                start[q] = QueueLoad.empty(self.models[members[0]], self._running(members[0], view))
+                continue
+            i = self.loaded[q]
+            rest = tuple(max(r.answer_tokens - r.streamed, 1.0) for r in self.running.get(i, {}).values())
+            start[q] = QueueLoad.empty(self.models[i], self._running(i, view), rest, member=i)
+        return Queues(self.queue_of, start)
+
+    def keeps_state(self, ticket: Ticket, instance: int) -> bool:
+        model = self.models[instance]
+        return self.options.state_swap and model.kv_swap_s_per_token < model.prefill_s_per_token
+
+    def warm(self) -> Sequence[int]:
+        if self.mode != "plan" or not self.options.warm_start:
+            return ()
+        return self._next_models
 
     def _group_view(self, group: Group, now: float) -> GroupView:
         members = group.members
         details = [_planned(t) for t in members]
         return GroupView(
             key=group.key,
-            candidates=members[0].request.candidates,
+            candidates=(self._resume_on[members[0]],) if members[0] in self._resume_on else
+            members[0].request.candidates,
             slack_s=min(self._deadline(t) for t in members) - now,
             size=len(members),
             answer_tokens=np.mean([d.answer_tokens for d in details], axis=0),
@@ -307,11 +368,16 @@ class Qlm(Policy):
         with self._lock:
             if self._dirty:
                 self._replan(view)
-            for i, queue in self._queues.items():
-                if queue and queue[0] not in self._rescued and view.available[i] and not self._has_room(i, view):
+            for queue in self._queues.values():
+                if not queue or queue[0] in self._rescued:
+                    continue
+                i = self._order[queue[0]]
+                if view.available[i] and not self._has_room(i, view):
                     victim = self._victim(i, queue[0], view, now)
                     if victim is not None:
                         victims.append(victim)
+                        if self.keeps_state(victim, i):
+                            self._resume_on[victim] = i
                         self._rescued.add(queue[0])
         return victims
 
@@ -331,8 +397,11 @@ class Qlm(Policy):
         for t, r in self.running.get(i, {}).items():
             if not t.evictable or t.evictions >= self.options.max_evictions:
                 continue
-            again = completion(model, QueueLoad.empty(model, model.cap).plus(answer), length(r.answer_tokens, cv),
-                               t.request.input_tokens)
+            behind = QueueLoad.empty(model, model.cap).plus(answer)
+            if self.keeps_state(t, i):  # it resumes: the rest of its answer, nothing to prefill
+                again = completion(model, behind, length(max(r.answer_tokens - r.streamed, 1.0), cv), 0)
+            else:
+                again = completion(model, behind, length(r.answer_tokens, cv), t.request.input_tokens)
             if again.p_at_most(self._deadline(t) - now) < confidence:
                 continue  # it could not afford to start over
             key = t.request.input_tokens + r.streamed if kv_bound else self._deadline(t) - now - again.mean
@@ -349,6 +418,7 @@ class Qlm(Policy):
             self._stop(ticket)  # a request tried again elsewhere (failover) runs in one place
             self.running.setdefault(plan.instance, {})[ticket] = Running(plan.instance, tokens, self._deadline(ticket))
             self._running_on[ticket] = plan.instance
+            self.loaded[self.queue_of[plan.instance]] = plan.instance
 
     def on_progress(self, ticket: Ticket, tokens: int, now: float) -> None:
         i = self._running_on.get(ticket)
@@ -397,6 +467,15 @@ def _planned(ticket: Ticket) -> Planned:
     return detail
 
 
+def _swap_s(inst, mode: str) -> float:
+    """The constant swap time QLM plans with: the paper's conservative estimate, a load from storage.
+    Warm start makes most swaps cheaper than that (measured: planning with the warm time instead
+    swaps more often than the warm reads keep up with, and meets fewer SLOs). EDF takes swaps as free."""
+    if mode == "edf" or inst.gpu_id is None:
+        return 0.0
+    return load_seconds(inst.model, inst.gpu_count)[1]
+
+
 def _bucket(tokens: float) -> int:
     return int(math.log2(max(tokens, 1.0)))
 
@@ -415,7 +494,8 @@ def build_edf(context: PolicyContext) -> Qlm:
     # QLM's machinery with its intelligence off: deadline order, no groups, no deferral, no eviction.
     options = build_section(QlmOptions, {"slowdown": edf.slowdown, "length_cv": edf.length_cv, "no_slo_s": edf.no_slo_s,
                                          "floor": 0.0, "on_infeasible": "serve", "pulling": True, "eviction": False,
-                                         "grouping": False, "kv_limit": edf.kv_limit}, "policies.edf")
+                                         "grouping": False, "warm_start": False, "kv_limit": edf.kv_limit},
+                            "policies.edf")
     policy = Qlm(context.config.instances, options, mode="edf")
     policy.name = "edf"
     return policy
