@@ -1,0 +1,87 @@
+"""An OpenAI-compatible backend that answers at once: what the router comparison (peers.py) measures
+routers against, so that the routers' own cost is what shows.
+
+    python loadtest/instant_backend.py --port 8500
+
+POST /v1/chat/completions and /v1/completions answer `--tokens` tokens ("ok "), streamed (one chunk a
+token, the usage chunk when asked, [DONE]) or not, with usage; GET /health, /v1/models and a minimal
+vLLM /metrics page (every router under test probes one or the other). Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import orjson
+import uvloop
+from aiohttp import web
+
+MODEL = "instant"
+
+
+def build(tokens: int) -> web.Application:
+    usage = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
+    head = {"id": "instant", "created": int(time.time()), "model": MODEL}
+    full_chat = orjson.dumps({**head, "object": "chat.completion", "usage": usage, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok " * tokens}, "finish_reason": "stop"}]})
+    full_text = orjson.dumps({**head, "object": "text_completion", "usage": usage, "choices": [
+        {"index": 0, "text": "ok " * tokens, "finish_reason": "stop"}]})
+
+    def events(chat: bool, include_usage: bool) -> bytes:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        out = []
+        for k in range(tokens):
+            last = "stop" if k == tokens - 1 else None
+            choice = ({"index": 0, "delta": {"content": "ok "}, "finish_reason": last} if chat
+                      else {"index": 0, "text": "ok ", "finish_reason": last})
+            out.append(b"data: " + orjson.dumps({**head, "object": obj, "choices": [choice]}) + b"\n\n")
+        if include_usage:
+            out.append(b"data: " + orjson.dumps({**head, "object": obj, "choices": [], "usage": usage}) + b"\n\n")
+        return b"".join(out) + b"data: [DONE]\n\n"
+
+    streams = {(chat, asked): events(chat, asked) for chat in (True, False) for asked in (True, False)}
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        chat = request.path.endswith("/chat/completions")
+        if not body.get("stream"):
+            return web.Response(body=full_chat if chat else full_text, content_type="application/json")
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(streams[(chat, include)])
+        await resp.write_eof()
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "peers"}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def metrics(_: web.Request) -> web.Response:
+        page = (f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
+                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
+        return web.Response(text=page, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8500)
+    parser.add_argument("--tokens", type=int, default=8, help="answer length in tokens (stream chunks)")
+    args = parser.parse_args()
+    uvloop.install()
+    web.run_app(build(args.tokens), host="127.0.0.1", port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""This gateway in passthrough against its peers, side by side: the Rust vllm-router and LiteLLM's proxy,
+each in front of the same instant backend (instant_backend.py), under the same load, in alternating
+rounds (A B A B), streamed and not.
+
+    bash loadtest/peers.sh                      # 3 rounds x 10 s per router and mode, concurrency 32
+    bash loadtest/peers.sh --rounds 5 --seconds 20 --no-litellm
+
+The peers are installed once in their own virtual environment (.peers-venv, or $PEERS_VENV), wrk from
+Debian's package if it is missing. Every target is checked with one real request of each mode first
+(a router that answers errors fast must not win); wrk's non-2xx count is reported too. Everything
+listens on loopback and every run is bounded by --seconds. Prints req/s and p50/p99 latency per target
+(the median of its rounds), the p50 added over going direct, and the ratio to vllm-router; writes
+loadtest/results/peers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("vllm-router==0.1.17", "litellm[proxy]==1.108.7")
+BODY = {"model": "instant", "messages": [{"role": "user", "content": "Say ok."}], "max_tokens": 8}
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+LITELLM_KEY = "sk-peers-" + os.urandom(16).hex()  # LiteLLM's proxy refuses to start without a master key
+
+
+@dataclass
+class Run:
+    target: str
+    mode: str
+    round: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peers_venv() -> Path:
+    """The peers' own virtual environment, made once."""
+    venv = Path(os.environ.get("PEERS_VENV", ROOT / ".peers-venv"))
+    marker = venv / ".installed"
+    if marker.is_file() and marker.read_text() == "\n".join(PEERS):
+        return venv
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *PEERS], check=True)
+    marker.write_text("\n".join(PEERS))
+    return venv
+
+
+def ensure_wrk() -> str:
+    found = shutil.which("wrk")
+    if found:
+        return found
+    if os.geteuid() != 0:
+        sys.exit("wrk is missing: apt-get install -y wrk")
+    if subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], stdout=subprocess.DEVNULL).returncode:
+        subprocess.run(["apt-get", "update", "-q"], check=True, stdout=subprocess.DEVNULL)  # a fresh machine's lists
+        subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], check=True, stdout=subprocess.DEVNULL)
+    return shutil.which("wrk") or sys.exit("wrk did not install")
+
+
+def start(name: str, cmd: list[str], port: int, logs: Path, ready_path: str, timeout_s: float = 90.0,
+          env: dict | None = None) -> subprocess.Popen:
+    """Start a server and wait until GET ready_path answers (bounded)."""
+    log = open(logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            cwd=ROOT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{name} exited at start; see {logs / (name + '.log')}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=1.0).status_code < 500:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    sys.exit(f"{name} did not come up in {timeout_s:.0f} s; see {logs / (name + '.log')}")
+
+
+def auth(target: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {LITELLM_KEY}"} if target == "litellm" else {}
+
+
+def check(name: str, base: str) -> None:
+    """One real request of each mode: a 200 with the backend's answer, and a stream that ends in [DONE]."""
+    r = httpx.post(f"{base}/v1/chat/completions", json=BODY, headers=auth(name), timeout=10)
+    if r.status_code != 200 or "ok" not in r.json()["choices"][0]["message"]["content"]:
+        sys.exit(f"{name}: a plain request failed: {r.status_code} {r.text[:300]}")
+    r = httpx.post(f"{base}/v1/chat/completions", json={**BODY, "stream": True}, headers=auth(name), timeout=10)
+    if r.status_code != 200 or "[DONE]" not in r.text:
+        sys.exit(f"{name}: a streamed request failed: {r.status_code} {r.text[:300]}")
+
+
+def wrk_script(path: Path, stream: bool, headers: dict[str, str]) -> Path:
+    body = json.dumps({**BODY, "stream": stream})
+    lines = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"',
+             f"wrk.body = {json.dumps(body)}"]
+    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_wrk(wrk: str, url: str, script: Path, seconds: int, concurrency: int) -> tuple[float, float, float, int]:
+    out = subprocess.run([wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "--timeout", "10s",
+                          "-s", str(script), url], capture_output=True, text=True, timeout=seconds + 30).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+    def pct(p: str) -> float:
+        value, unit = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
+        return float(value) * UNITS[unit]
+
+    errors = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return rps, pct("50"), pct("99"), int(errors.group(1)) if errors else 0
+
+
+def gateway_config(path: Path, port: int, backend: int) -> Path:
+    path.write_text(f"""[server]
+port = {port}
+
+[scheduler]
+policy = "passthrough+round_robin"
+
+[[instances]]
+name = "instant"
+url = "http://127.0.0.1:{backend}"
+model = "instant"
+gpu = "A100-80GB"
+price_input_per_mtok = 0.0
+price_output_per_mtok = 0.0
+tpot_prior_ms = 1.0
+""")
+    return path
+
+
+def litellm_config(path: Path, backend: int) -> Path:
+    path.write_text(f"""model_list:
+  - model_name: instant
+    litellm_params:
+      model: openai/instant
+      api_base: http://127.0.0.1:{backend}/v1
+      api_key: none
+general_settings:
+  master_key: {LITELLM_KEY}
+litellm_settings:
+  telemetry: false
+""")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=10, help="per router, mode and round")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
+    parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "peers.json")
+    args = parser.parse_args()
+    if not (1 <= args.rounds <= 20 and 1 <= args.seconds <= 120):
+        sys.exit("--rounds 1..20 and --seconds 1..120")
+    wrk = ensure_wrk()
+    venv = peers_venv()
+    logs = Path(tempfile.mkdtemp(prefix="peers-"))
+    procs: list[subprocess.Popen] = []
+    ports = {name: free_port() for name in ("backend", "vllm-router", "routebalance", "litellm")}
+    targets = {"direct": ports["backend"], "vllm-router": ports["vllm-router"], "routebalance": ports["routebalance"]}
+    if not args.no_litellm:
+        targets["litellm"] = ports["litellm"]
+    try:
+        procs.append(start("backend", [sys.executable, "loadtest/instant_backend.py", "--port", str(ports["backend"])],
+                           ports["backend"], logs, "/health"))
+        procs.append(start("vllm-router", [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
+                                           str(ports["vllm-router"]), "--worker-urls",
+                                           f"http://127.0.0.1:{ports['backend']}", "--policy", "round_robin",
+                                           "--log-level", "error"], ports["vllm-router"], logs, "/health"))
+        config = gateway_config(logs / "gateway.toml", ports["routebalance"], ports["backend"])
+        procs.append(start("routebalance", [str(Path(sys.executable).parent / "routebalance"), "serve", "--config",
+                                            str(config)], ports["routebalance"], logs, "/health"))
+        if not args.no_litellm:
+            procs.append(start("litellm", [str(venv / "bin" / "litellm"), "--config",
+                                           str(litellm_config(logs / "litellm.yaml", ports["backend"])), "--host",
+                                           "127.0.0.1", "--port", str(ports["litellm"]), "--num_workers", "1"],
+                               ports["litellm"], logs, "/health/liveliness", timeout_s=180.0,
+                               env={"LITELLM_LOG": "ERROR"}))
+        for name, port in targets.items():
+            check(name, f"http://127.0.0.1:{port}")
+        scripts = {(mode, name): wrk_script(logs / f"{mode}-{name}.lua", mode == "stream", auth(name))
+                   for mode in ("plain", "stream") for name in targets}
+        runs = []
+        for rnd in range(args.rounds):
+            for mode in ("plain", "stream"):
+                for name, port in targets.items():
+                    rps, p50, p99, errors = run_wrk(wrk, f"http://127.0.0.1:{port}/v1/chat/completions",
+                                                    scripts[(mode, name)], args.seconds, args.concurrency)
+                    runs.append(Run(name, mode, rnd, rps, p50, p99, errors))
+                    print(f"  round {rnd + 1} {mode:6} {name:13} {rps:8.0f} req/s  p50 {p50:6.2f} ms  "
+                          f"p99 {p99:6.2f} ms" + (f"  {errors} errors" if errors else ""), flush=True)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    summary = summarise(runs, list(targets))
+    print(table(summary, args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": {"rounds": args.rounds, "seconds": args.seconds,
+                                                 "concurrency": args.concurrency, "peers": PEERS},
+                                    "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+    print(f"wrote {args.out}; server logs in {logs}")
+
+
+def summarise(runs: list[Run], targets: list[str]) -> list[dict]:
+    """Per target and mode: the median over rounds, the p50 added over direct, the ratio to vllm-router."""
+    rows = []
+    for mode in ("plain", "stream"):
+        med = {t: {k: statistics.median(getattr(r, k) for r in runs if r.target == t and r.mode == mode)
+                   for k in ("rps", "p50_ms", "p99_ms")} for t in targets}
+        for t in targets:
+            rows.append({"target": t, "mode": mode, **med[t],
+                         "errors": sum(r.errors for r in runs if r.target == t and r.mode == mode),
+                         "added_p50_ms": med[t]["p50_ms"] - med["direct"]["p50_ms"],
+                         "vs_vllm_router": med[t]["rps"] / med["vllm-router"]["rps"]})
+    return rows
+
+
+def table(rows: list[dict], args) -> str:
+    lines = [f"{args.rounds} rounds x {args.seconds} s, concurrency {args.concurrency}, instant backend; medians",
+             f"{'mode':<7} {'target':<13} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
+             f"{'x vllm-router':>13} {'errors':>7}"]
+    for r in rows:
+        lines.append(f"{r['mode']:<7} {r['target']:<13} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+                     f"{r['added_p50_ms']:>8.2f} {r['vs_vllm_router']:>13.2f} {r['errors']:>7}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
