@@ -363,15 +363,28 @@ def format_rows(rows: list[dict]) -> str:
     The SLO columns appear when some row's requests carry that SLO (the figure is not NaN)."""
     extra = [(name, title, fmt, width) for name, title, fmt, width, gate in SLO_COLUMNS
              if any(gate in r and r[gate] == r[gate] for r in rows)]
-    head = (f"{'system':<12} {'label':<38} {'req/s':>5} {'quality':>15} {'E2E':>14} {'p99':>7} {'thru':>6} "
+    head = (f"{'system':<12} {'label':<50} {'req/s':>5} {'quality':>15} {'E2E':>14} {'p99':>7} {'thru':>6} "
             f"{'cost':>9} {'refused':>7} {'resid':>6}" + "".join(f" {title:>{w}}" for _, title, _, w in extra))
     lines = [head]
     for r in rows:
-        lines.append(f"{r['system']:<12} {r['label'][:38]:<38} {r['rate']:>5g} {_pm(r, 'quality', '.4f'):>15} "
+        lines.append(f"{r['system']:<12} {_named(r, rows)[:50]:<50} {r['rate']:>5g} {_pm(r, 'quality', '.4f'):>15} "
                      f"{_pm(r, 'e2e_mean', '.2f') + 's':>14} {r['e2e_p99']:>6.1f}s {r['throughput']:>6.2f} "
                      f"{r['cost_mean']:>9.2e} {r.get('refused', 0.0):>7.1%} {1000 * r['residual_mean']:>4.0f}ms"
                      + "".join(f" {_pm(r, name, fmt):>{w}}" for name, _, fmt, w in extra))
     return "\n".join(lines)
+
+
+# Cell tags that tell apart cells of one label (the SLO sweeps' workloads, the QoS sweep's pool size N and
+# bound L, W_A's tail share, the arrival process).
+TELLING_TAGS = (("workload", ""), ("n", "N="), ("tpot_slo_ms", "L="), ("tail", "tail "), ("arrivals", ""))
+
+
+def _named(row: dict, rows: list[dict]) -> str:
+    """The row's label, with the tags whose values differ among the rows of that label."""
+    same = [r for r in rows if r["label"] == row["label"]]
+    extra = [f"{prefix}{row[tag]:g}" if isinstance(row[tag], float | int) else f"{prefix}{row[tag]}"
+             for tag, prefix in TELLING_TAGS if tag in row and len({str(r.get(tag)) for r in same}) > 1]
+    return " ".join([row["label"], *extra])
 
 
 # (figure, column title, format, width, gate): format_rows shows the column when some row's gate figure

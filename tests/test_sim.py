@@ -305,3 +305,19 @@ def test_a_pair_must_compare_cells_on_the_same_arrivals(built, tmp_path):
                                                          requests=40)) for r in (6, 12)]
     with pytest.raises(ValueError, match="different arrivals"):
         run_seeded(cells, str(path), 300, workers=1, pairs=[Pair("6 vs 12", {"rate": 6}, {"rate": 12})])
+
+
+def test_the_printed_table_tells_apart_cells_that_share_a_label():
+    from gateway.cli import format_rows
+    from gateway.sim import qos_eval, slo_sweeps
+    from gateway.sim.sweeps import _identity
+
+    fields = {"quality": 0.4, "e2e_mean": 2.0, "e2e_p99": 9.0, "throughput": 4.0, "cost_mean": 1e-5,
+              "residual_mean": 0.02}
+    for cells in (qos_eval.qos_cells(100), slo_sweeps.qlm(100), slo_sweeps.qlm_multi(100)):
+        rows = [{**_identity(c), **fields} for c in cells]
+        shown = [line[13:64] for line in format_rows(rows).split("\n")[1:]]
+        keyed = {(r["label"], r.get("workload"), r.get("n"), r.get("tpot_slo_ms"), r.get("tail"), r["arrivals"],
+                  r["rate"]) for r in rows}
+        # Every distinct cell gets a distinct (label, rate) line: no two rows print alike.
+        assert len({(s, r["rate"]) for s, r in zip(shown, rows, strict=True)}) == len(keyed), shown

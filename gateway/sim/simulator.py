@@ -294,7 +294,6 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                                      output_tokens=label, now=t)
             in_flight[rid] = sequences[rid] = (i, seq)
 
-
     def evict(t: float) -> None:
         """Requests the policy evicts: aborted on their engine (the work is lost), or swapped out to its host
         memory when the policy keeps their state; either way held again."""
