@@ -2,7 +2,7 @@
 (onnxruntime's dynamic quantisation, per-channel weights) and measure how often RouteBalance then picks
 the same model, per preset, on held-out prompts (an idle pool view, batches of 16).
 
-    .venv/bin/python loadtest/int8_agreement.py [--prompts 1000]
+    .venv/bin/python loadtest/int8_agreement.py [--prompts 1000] [--per-tensor]
 
 The design asks for at least 97% agreement with the exact path before a faster kernel is used.
 Needs the built estimators (`routebalance train`); the quantised graph goes to a temporary folder.
@@ -54,13 +54,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(default_config_path()))
     parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--per-tensor", action="store_true", help="one scale per weight tensor, not per channel")
     args = parser.parse_args()
     cfg = load_config(args.config)
     exact = Estimators.load(cfg)
     prompts = [r.prompt for r in evaluation_records(cfg, args.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         int8_path = Path(tmp) / "minilm-int8.onnx"
-        quantize_dynamic(str(exact.embedder.model_path), str(int8_path), per_channel=True,
+        quantize_dynamic(str(exact.embedder.model_path), str(int8_path), per_channel=not args.per_tensor,
                          weight_type=QuantType.QInt8)
         e = exact.embedder
         fast = Estimators(Embedder(int8_path, e.tokenizer_path, max_tokens=e.max_tokens, batch_size=e.batch_size),
