@@ -194,6 +194,9 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--tpot-slo-ms", type=float, help="one cell: every request's time-per-output-token bound")
     p.add_argument("--mega-share", type=float, default=0.0,
                    help="one cell: share of mega prompts (3,000 prompt and 1,000 answer tokens: QLM's W_C)")
+    p.add_argument("--tail", type=float,
+                   help="one cell: QLM's multi-model W_A, four GPUs time-sharing five models; the three tail "
+                        "models take this share of the requests (0..1)")
     p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
 
     p = sub.add_parser("calibrate", help="check the simulated world against the paper's testbed: target vs achieved")
@@ -314,15 +317,22 @@ def cmd_sim(args) -> int:
     from gateway.sim.arrivals import ArrivalSpec
     from gateway.sim.simulator import CellSpec
 
+    models, tags = (), {}
+    if args.tail is not None:
+        from gateway.sim.slo_sweeps import w_a_mix
+
+        if not 0 <= args.tail <= 1 or args.model:
+            raise ValueError("--tail is a share in 0..1, and W_A's requests name their own models (no --model)")
+        models, tags = w_a_mix(args.tail), {"pool": "W_A"}
     w = load_config(args.config).weights(args.preset)
     spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
                     ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
-                    budget_share=args.budget_share, model=args.model, slos=parse_slo_mix(args.slos),
+                    budget_share=args.budget_share, model=args.model, models=models, slos=parse_slo_mix(args.slos),
                     tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
                     mega_share=args.mega_share, stream_below_s=BATCH_SLO_S)
     seeds = [args.seed] if args.seeds is None else list(range(args.seeds))
-    result = run_seeded([Cell(args.policy, args.preset, spec)], str(args.config), args.requests, seeds=seeds,
-                        workers=min(args.workers, len(seeds)), workload=args.workload)
+    result = run_seeded([Cell(args.policy, args.preset, spec, tags=tags)], str(args.config), args.requests,
+                        seeds=seeds, workers=min(args.workers, len(seeds)), workload=args.workload)
     print(orjson.dumps(result.rows[0], option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
     return 0
 

@@ -51,8 +51,9 @@ MEGA_SHARE = 0.05
 ABLATION = (("no pulling", {"pulling": False}), ("no eviction", {"eviction": False}),
             ("no state swap", {"state_swap": False}), ("no grouping", {"grouping": False}))
 SLO_PAIRED = ("slo_attainment", "e2e_mean", "quality")
-# W_A (pools.py): requests name one of the pool's models, the tail models taking a share of them; the
-# load is what four GPUs serve without swapping (W_B runs 20-40 req/s on five).
+# W_A (pools.py): requests name one of the pool's models, the tail models taking a share of them. 6 req/s is
+# about what the four GPUs serve when they swap once per stretch of a model (W_B runs 20-40 req/s on five
+# GPUs that never swap).
 W_A_TAIL_SHARES = (0.05, 0.15, 0.3)
 W_A_RATE = 6.0
 W_A_ABLATION = (("no warm start", {"warm_start": False}), *ABLATION)
