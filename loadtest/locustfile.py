@@ -49,10 +49,15 @@ def _options(parser):
     parser.add_argument("--slos", default="", help="end-to-end SLO mix, SECONDS:SHARE pairs, e.g. 25:0.5,300:0.5")
 
 
+# The --slos mix, parsed (and checked) once when the test starts.
+slo_mix: tuple[tuple[float, float], ...] = ()
+
+
 @events.test_start.add_listener
-def _check_slo_mix(environment, **_):
+def _read_slo_mix(environment, **_):
+    global slo_mix
     try:
-        parse_slo_mix(environment.parsed_options.slos)
+        slo_mix = parse_slo_mix(environment.parsed_options.slos)
     except ValueError as e:
         raise SystemExit(f"--slos: {e}") from None
 
@@ -107,7 +112,7 @@ class ChatUser(FastHttpUser):
         opts = self.environment.parsed_options
         if next(_sent) >= opts.max_requests:
             raise StopUser()
-        slo = draw_slo(parse_slo_mix(opts.slos)) if opts.slos else None
+        slo = draw_slo(slo_mix) if slo_mix else None
         stream = random.random() < opts.stream_share and (slo is None or slo < BATCH_SLO_S)  # jobs do not stream
         body = {"model": opts.model, "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
                 "temperature": 0, "stream": stream}

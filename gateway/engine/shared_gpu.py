@@ -33,6 +33,14 @@ from __future__ import annotations
 from gateway.engine.engine import Engine, StepReport
 
 
+def gpu_groups(instances) -> list[tuple[int, ...]]:
+    """The config instances of each GPU, in config order: one of its own, or all those naming its gpu_id."""
+    groups: dict[object, list[int]] = {}
+    for k, inst in enumerate(instances):
+        groups.setdefault(("own", k) if inst.gpu_id is None else inst.gpu_id, []).append(k)
+    return [tuple(g) for g in groups.values()]
+
+
 class SharedGpu:
     def __init__(self, engines: dict[int, Engine], load_s: dict[int, tuple[float, float]], host_slots: int = 2):
         """`engines`: member (config instance index) -> its engine, the first one's model loaded at the
@@ -47,6 +55,11 @@ class SharedGpu:
         self.warm_at: dict[int, float] = {}  # member -> when its weights are (or will be) in host memory
         self.swaps = 0
         self.swap_s = 0.0  # seconds the GPU spent loading weights
+
+    @property
+    def shared(self) -> bool:
+        """Several models take turns on it (one member: it runs exactly as its engine alone)."""
+        return len(self.engines) > 1
 
     def advance(self, until: float) -> dict[int, StepReport]:
         """Run the GPU up to `until`: the loaded model's steps, and the swaps its queues call for."""

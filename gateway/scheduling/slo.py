@@ -55,6 +55,11 @@ def parse_slo_mix(text: str) -> tuple[tuple[float, float], ...]:
         if not sep or pair is None:
             raise ValueError(f"SLO mix: {item!r} is not SECONDS:SHARE")
         mix.append(pair)
+    return check_slo_mix(tuple(mix))
+
+
+def check_slo_mix(mix: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    """The mix, if its seconds are positive and its shares >= 0 sum to at most 1; else ValueError."""
     if sum(share for _, share in mix) > 1 + 1e-9 or any(s <= 0 or w < 0 for s, w in mix):
-        raise ValueError(f"SLO mix {text!r}: positive seconds, shares >= 0 summing to at most 1")
-    return tuple(mix)
+        raise ValueError(f"SLO mix {mix}: positive seconds, shares >= 0 summing to at most 1")
+    return mix

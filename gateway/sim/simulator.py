@@ -29,12 +29,12 @@ import numpy as np
 
 from gateway.engine.engine import Engine
 from gateway.engine.profiles import load_seconds, spec_for_instance
-from gateway.engine.shared_gpu import SharedGpu
+from gateway.engine.shared_gpu import SharedGpu, gpu_groups
 from gateway.scheduling.budget import per_token, predicted_cost
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
 from gateway.scheduling.request import Completion, Estimates, Refusal, RouteRequest, Ticket
-from gateway.scheduling.slo import slo_class
+from gateway.scheduling.slo import check_slo_mix, slo_class
 from gateway.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.sim.evalset import EvalSet
 
@@ -73,8 +73,7 @@ class CellSpec:
     stream_below_s: float = math.inf
 
     def __post_init__(self):
-        if sum(share for _, share in self.slos) > 1 + 1e-9 or any(s <= 0 or w < 0 for s, w in self.slos):
-            raise ValueError("slos: positive seconds, shares >= 0 summing to at most 1")
+        check_slo_mix(self.slos)
         if self.models and (self.model is not None or abs(sum(w for _, w in self.models) - 1) > 1e-9
                             or any(w < 0 for _, w in self.models)):
             raise ValueError("models: shares >= 0 summing to 1, and no `model` beside them")
@@ -142,12 +141,9 @@ def named_models(spec: CellSpec, n: int) -> list[str | None]:
 
 def shared_gpus(instances, spec: CellSpec) -> list[SharedGpu]:
     """Every instance's engine, on a GPU of its own or time-sharing one with those of its `gpu_id`."""
-    members: dict[object, dict[int, Engine]] = {}
-    for k, inst in enumerate(instances):
-        members.setdefault(inst.gpu_id if inst.gpu_id is not None else ("own", k), {})[k] = Engine(
-            spec_for_instance(inst))
-    return [SharedGpu(engines, {k: load_seconds(instances[k].model, instances[k].gpu_count) for k in engines},
-                      spec.host_slots) for engines in members.values()]
+    return [SharedGpu({k: Engine(spec_for_instance(instances[k])) for k in group},
+                      {k: load_seconds(instances[k].model, instances[k].gpu_count) for k in group}, spec.host_slots)
+            for group in gpu_groups(instances)]
 
 
 def megas(spec: CellSpec, n: int) -> np.ndarray:
@@ -212,13 +208,13 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                 generated[k] += report.generation_tokens
                 prefilled[k] += report.prompt_tokens
 
-    warming = policy.overrides("warm") and any(len(gpu.engines) > 1 for gpu in gpus)
+    warming = policy.overrides("warm") and any(gpu.shared for gpu in gpus)
 
     def warm(t: float) -> None:
         """The policy's warm start: the models it wants in host memory next."""
         wanted = policy.warm()
         for gpu in gpus:
-            if len(gpu.engines) > 1:
+            if gpu.shared:
                 gpu.warm([k for k in wanted if k in gpu.engines], t)
 
     first_heard: set[int] = set()
@@ -257,10 +253,14 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
 
     parked: dict[int, int] = {}  # evicted requests whose KV cache waits in an instance's host memory
 
-    def unpark(rid: int, i: int) -> None:
-        """An evicted request's kept KV cache is dropped: its prompt was read for nothing, and is paid."""
-        engines[i].drop_swapped(rid)
+    def pay_prompt(rid: int, i: int) -> None:
+        """Instance i read the request's prompt for an attempt that gave no answer: paid, as live."""
         outcomes[rid].cost_usd += float(predicted_cost(outcomes[rid].prompt_tokens, 0, prices_in[i], prices_out[i]))
+
+    def unpark(rid: int, i: int) -> None:
+        """An evicted request's kept KV cache is dropped: its prompt was read for nothing."""
+        engines[i].drop_swapped(rid)
+        pay_prompt(rid, i)
 
     def dispatch(t: float, decided: list[Ticket]) -> None:
         """Send decided requests to their engines; a refused one is answered at once."""
@@ -308,8 +308,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                 parked[rid] = i
             else:
                 engines[i].abort(rid, t)
-                # Paid, as live: the instance read its prompt before the abort.
-                out.cost_usd += float(predicted_cost(out.prompt_tokens, 0, prices_in[i], prices_out[i]))
+                pay_prompt(rid, i)
             core.requeue(ticket, t)
 
     # The live loop re-reads the window rule when a request arrives, when a batch
@@ -380,7 +379,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
 
 
 def _swaps(gpus: list[SharedGpu]) -> tuple[float, float]:
-    shared = [g for g in gpus if len(g.engines) > 1]
+    shared = [g for g in gpus if g.shared]
     if not shared:
         return math.nan, math.nan
     return float(sum(g.swaps for g in shared)), sum(g.swap_s for g in shared)

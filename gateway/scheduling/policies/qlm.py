@@ -57,6 +57,7 @@ import numpy as np
 
 from gateway.config_schema import Section, build_section, option, section
 from gateway.engine.profiles import load_seconds, spec_for_instance
+from gateway.engine.shared_gpu import gpu_groups
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
 from gateway.scheduling.qlm_plan import GroupView, Queues, choose, greedy_plan, soonest
 from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length
@@ -144,10 +145,9 @@ class Qlm(Policy):
         self.models = [InstanceModel.of(spec_for_instance(i), options.slowdown, _swap_s(i, mode))
                        for i in instances]
         self.instances = instances
-        gpus: dict[object, int] = {}
-        self.queue_of = tuple(gpus.setdefault(("own", k) if inst.gpu_id is None else inst.gpu_id, len(gpus))
-                              for k, inst in enumerate(instances))  # instance -> its virtual queue (its GPU)
-        self.members = {q: tuple(i for i, g in enumerate(self.queue_of) if g == q) for q in gpus.values()}
+        self.members = dict(enumerate(gpu_groups(instances)))  # virtual queue (a GPU) -> its instances
+        owner = {i: q for q, members in self.members.items() for i in members}
+        self.queue_of = tuple(owner[i] for i in range(len(instances)))  # instance -> its virtual queue
         # GPU -> the instance whose model is loaded (the first, as a shared GPU starts; then the last dispatched).
         self.loaded = {q: members[0] for q, members in self.members.items()}
         self._next_models: list[int] = []  # what `warm` names, from the last plan
@@ -341,9 +341,7 @@ class Qlm(Policy):
         return self.options.state_swap and model.kv_swap_s_per_token < model.prefill_s_per_token
 
     def warm(self) -> Sequence[int]:
-        if self.mode != "plan" or not self.options.warm_start:
-            return ()
-        return self._next_models
+        return self._next_models if self.options.warm_start else ()
 
     def _group_view(self, group: Group, now: float) -> GroupView:
         members = group.members
