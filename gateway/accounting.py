@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from gateway.api.errors import ApiError
 from gateway.config import ApiKey
 from gateway.scheduling.budget import per_token, predicted_cost
-from gateway.trust.spend import Reservation, SpendLedger, SpendStoreError
+from gateway.trust.spend import Reservation, SpendStoreError
 
 log = logging.getLogger("routebalance.accounting")
 
@@ -45,11 +46,25 @@ def worst_case_usd(instance, input_tokens: int, max_tokens: int | None, n: int, 
                                 per_token(instance.price_output_per_mtok)))
 
 
+class KeyLedger(Protocol):
+    """The spend ledger a request draws on: this process's own (trust/spend.py) or one shared by
+    replicas (state/spend.py)."""
+
+    async def refresh(self, key: ApiKey, now: float) -> None: ...
+    def remaining(self, key: ApiKey, now: float) -> float | None: ...
+    async def acquire(self, key: ApiKey, amount_usd: float, now: float) -> Reservation | None: ...
+    def settle(self, reservation: Reservation, cost_usd: float) -> None: ...
+    def release(self, reservation: Reservation) -> None: ...
+    async def aclose(self, timeout_s: float) -> None: ...
+    @property
+    def unwritten(self) -> int: ...
+
+
 class RequestSpend:
     """What one request may still spend and what it has paid; `clock` gives epoch seconds
     (spend periods are calendar days and months)."""
 
-    def __init__(self, budget_usd: float | None, key: ApiKey | None, ledger: SpendLedger | None,
+    def __init__(self, budget_usd: float | None, key: ApiKey | None, ledger: KeyLedger | None,
                  clock: Callable[[], float]):
         self.budget_usd = budget_usd
         self.key = key if key is not None and ledger is not None else None
@@ -57,6 +72,14 @@ class RequestSpend:
         self.clock = clock
         self.paid_usd = 0.0
         self.held: Reservation | None = None
+
+    async def load(self) -> None:
+        """Read the key's spend before planning with it (a shared ledger asks its server)."""
+        if self.key is not None and self.ledger is not None:
+            try:
+                await self.ledger.refresh(self.key, self.clock())
+            except SpendStoreError as e:
+                raise store_error(e) from None
 
     def key_remaining(self) -> float | None:
         if self.key is None or self.ledger is None:
@@ -87,12 +110,12 @@ class RequestSpend:
         return ApiError(402, "the budget cannot pay for this prompt on any remaining candidate",
                         "routing.budget_usd", "insufficient_budget")
 
-    def reserve(self, worst_usd: float) -> None:
+    async def reserve(self, worst_usd: float) -> None:
         """Hold an attempt's worst case against the key; 402 if the key cannot cover it."""
         if self.key is None or self.ledger is None:
             return
         try:
-            self.held = self.ledger.reserve(self.key, worst_usd, self.clock())
+            self.held = await self.ledger.acquire(self.key, worst_usd, self.clock())
         except SpendStoreError as e:
             raise store_error(e) from None
         if self.held is None:

@@ -187,10 +187,19 @@ class Auth(Section):
 
 @section
 class State(Section):
-    """Where spend is kept: "sqlite" (persisted, survives restarts) or "memory" (tests)."""
+    """Where spend is kept: "sqlite" (one process, persisted, survives restarts), "memory" (tests), or
+    "redis" (shared by several replicas: spend and reservations, instance cooldowns and each replica's
+    in-flight work). Read at start: a change takes a restart."""
 
-    backend: Literal["sqlite", "memory"] = "sqlite"
-    path: str = option("data/state.db", nonempty=True)  # relative to the working directory
+    backend: Literal["sqlite", "memory", "redis"] = "sqlite"
+    path: str = option("data/state.db", nonempty=True)  # sqlite: relative to the working directory
+    url: str = option("redis://127.0.0.1:6379/0", nonempty=True)  # redis
+    # Redis unreachable: keys with a spend limit are refused (503), or checked against this replica's
+    # last view of their spend plus what it reserved since ("local": fails open by what the others spend).
+    on_unavailable: Literal["refuse", "local"] = "refuse"
+    sync_interval_s: float = option(0.25, gt=0)  # how often a replica publishes its share and reads the others'
+    timeout_s: float = option(0.5, gt=0)  # each Redis call, connecting included
+    prefix: str = option("routebalance:", nonempty=True)  # of every Redis key, so gateways can share a server
 
 
 @section

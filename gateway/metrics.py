@@ -61,6 +61,16 @@ class GatewayMetrics:
                                 "by policy and result", ("policy", "result"), registry=r)
         self.evictions = Counter("routebalance_evictions", "Attempts the policy aborted to serve a tighter SLO first "
                                  "(the request went again later)", registry=r)
+        # Set when the page is rendered (Gateway.metrics_page), from the pool ledger and the state backend.
+        self.instance_routable = Gauge("routebalance_instance_routable", "1 while the instance takes requests, "
+                                       "0 while it cools down after failures", ("instance",), registry=r)
+        self.instance_in_flight = Gauge("routebalance_instance_in_flight", "Requests on the instance, this replica's "
+                                        "and (with a shared state backend) the other replicas'", ("instance",),
+                                        registry=r)
+        self.state_up = Gauge("routebalance_state_backend_up", "1 while the shared state backend (Redis) answers; "
+                              "always 1 for the in-process backends", registry=r)
+        self.spend_unwritten = Gauge("routebalance_spend_unwritten", "Bookings and releases not yet written to "
+                                     "the spend store (they are kept and retried)", registry=r)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 

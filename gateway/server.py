@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway.access import Access, check_admin, json_posts_only, request_preset
-from gateway.accounting import RequestSpend, worst_case_usd
+from gateway.accounting import KeyLedger, RequestSpend, worst_case_usd
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
 from gateway.config import ApiKey, Config, ConfigStore
@@ -41,6 +41,9 @@ from gateway.scheduling.ledger import PoolLedger
 from gateway.scheduling.policies import registry
 from gateway.scheduling.request import Completion, Decision, RouteRequest, Ticket
 from gateway.slo_check import SloCheck, resolve_slo
+from gateway.state.link import RedisLink
+from gateway.state.spend import RedisSpendLedger
+from gateway.state.sync import ReplicaSync
 from gateway.telemetry import scrape_forever
 from gateway.tokens import TokenCounter
 from gateway.trust.keys import anonymous_allowed
@@ -122,6 +125,10 @@ def open_spend_ledger(cfg: Config) -> SpendLedger:
     return SpendLedger(store)
 
 
+# Shutdown writes the spend not yet written for at most this long.
+_CLOSE_FLUSH_S = 2.0
+
+
 class Gateway:
     def __init__(self, store: ConfigStore, estimators=None, host: str | None = None):
         self.store = store
@@ -131,7 +138,8 @@ class Gateway:
         self.scheduler = Scheduler(store, self.ledger, self.metrics, estimators, candidates_for)
         self.token_counter = TokenCounter()
         self.access = Access(store.current)
-        self.spend: SpendLedger | None = None  # opened when the config first has keys
+        self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
+        self.link: RedisLink | None = None  # [state] backend = "redis": shared with the other replicas
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         store.subscribe(self._on_config)
@@ -143,10 +151,18 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=up.max_connections, limit_per_host=up.max_connections_per_instance,
                                          ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self._open_spend(self.store.current)
-        self.scheduler.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.ledger))]
+        cfg = self.store.current
+        if cfg.state.backend == "redis":  # read at start only: a reload does not move the state
+            self.link = RedisLink(cfg.state.url, cfg.state.prefix, cfg.state.timeout_s)
+            spend = RedisSpendLedger(self.link, cfg.state.on_unavailable,
+                                     hold_ttl_s=cfg.upstream.total_timeout_s + cfg.batching.max_wait_s + 60)
+            self.spend = spend
+            self._tasks += [loop.create_task(spend.run(cfg.state.sync_interval_s)),
+                            loop.create_task(ReplicaSync(self.link, self.ledger, self.store).run())]
+        self._open_spend(cfg)
+        self.scheduler.start()
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -156,11 +172,9 @@ class Gateway:
         if self.session:
             await self.session.close()
         if self.spend is not None:
-            try:
-                self.spend.flush()
-            except SpendStoreError as e:
-                log.error("spend not yet written to the ledger is lost at exit: %s", e)
-            self.spend.store.close()
+            await self.spend.aclose(_CLOSE_FLUSH_S)
+        if self.link is not None:
+            await self.link.close()
 
     def _open_spend(self, cfg: Config) -> None:
         if self.spend is None and cfg.auth.keys:
@@ -226,6 +240,7 @@ class Gateway:
                 raise ApiError(503, "the spend ledger is unavailable; requests of keys are refused until it is back",
                                None, "ledger_unavailable")
             spend = RequestSpend(req.routing.budget_usd, key, self.spend, time.time)
+            await spend.load()
             budget = spend.budget_left()
             if budget is not None and budget <= 0 and spend.limited_by_key():  # reads the ledger only when spent
                 raise spend.refusal()
@@ -371,7 +386,7 @@ class Gateway:
                                            up.max_response_bytes, cfg.server.tokenize_inline_chars,
                                            slo.annotate if slo.any else None)
             worst = worst_case_usd(instance, routed.input_tokens, plan.max_tokens, routed.n, req.has_media)
-            spend.reserve(worst)
+            await spend.reserve(worst)
             if plan.clamped:
                 self.metrics.budget_clamps.inc()
             core.dispatched(ticket, plan, loop.time())
@@ -443,7 +458,7 @@ class Gateway:
 
     def _no_healthy_instance(self, cfg: Config, ranked, model: str) -> ApiError:
         now = asyncio.get_running_loop().time()
-        wait = min(self.ledger.of(cfg.instances[i].name).health.cooldown_until - now for i in ranked) if ranked else 1
+        wait = min(self.ledger.of(cfg.instances[i].name).cooling_until - now for i in ranked) if ranked else 1
         return ApiError(503, f"every instance that could serve {model!r} is cooling down after failures; retry shortly",
                         None, "no_healthy_instance", headers={"Retry-After": str(max(1, round(wait + 0.5)))})
 
@@ -460,16 +475,35 @@ class Gateway:
         return _json({"status": "ok", "instances": len(self.store.current.instances)})
 
     async def ready(self, request: web.Request) -> web.Response:
-        """Readiness: 503 while no instance is routable (all cooling down after failures)."""
+        """Readiness: 503 while no instance is routable (all cooling down after failures). A replica that
+        lost its shared state stays ready (it routes on its own view) and says so."""
         cfg, now = self.store.current, asyncio.get_running_loop().time()
         routable = [i.name for i in cfg.instances if self.ledger.routable(i.name, now)]
         body = {"status": "ready" if routable else "unavailable", "routable": len(routable),
                 "instances": len(cfg.instances),
-                "cooling_down": [i.name for i in cfg.instances if i.name not in routable]}
+                "cooling_down": [i.name for i in cfg.instances if i.name not in routable],
+                "state": self._state_status(cfg)}
         return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
 
+    def _state_status(self, cfg: Config) -> dict:
+        if self.link is None:
+            return {"backend": cfg.state.backend, "reachable": True}
+        status = {"backend": "redis", "reachable": self.link.reachable, "replica": self.link.replica}
+        if not self.link.reachable:
+            status["spend_limits"] = ("refused until redis is back" if cfg.state.on_unavailable == "refuse"
+                                      else "checked on this replica's last view")
+        return status
+
     async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+        cfg, now = self.store.current, asyncio.get_running_loop().time()
+        m = self.metrics
+        for inst in cfg.instances:
+            state = self.ledger.of(inst.name)
+            m.instance_routable.labels(inst.name).set(state.routable(now))
+            m.instance_in_flight.labels(inst.name).set(len(state.in_flight) + state.others.requests)
+        m.state_up.set(self.link is None or self.link.reachable)
+        m.spend_unwritten.set(self.spend.unwritten if self.spend is not None else 0)
+        return web.Response(body=m.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def admin_reload(self, request: web.Request) -> web.Response:
         check_admin(request, self.store.current)

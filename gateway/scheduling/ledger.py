@@ -111,15 +111,43 @@ class InFlight:
     streaming: bool = True  # False: nothing comes back before the end, so progress is estimated
 
 
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Work a gateway has dispatched to one instance and not yet seen finish: what one replica
+    tells the others (with a shared state backend), so each one's view counts the whole fleet's."""
+
+    requests: float = 0.0
+    prefill_tokens: float = 0.0  # prompt tokens of requests without a first token yet
+    decode_tokens: float = 0.0  # predicted answer tokens still to come
+
+    def __add__(self, other: Share) -> Share:
+        return Share(self.requests + other.requests, self.prefill_tokens + other.prefill_tokens,
+                     self.decode_tokens + other.decode_tokens)
+
+
+NO_SHARE = Share()
+
+
 @dataclass(slots=True)
 class InstanceState:
-    """One instance: the last two scrapes and the requests the gateway has on it."""
+    """One instance: the last two scrapes, the requests the gateway has on it, and (with replicas)
+    the other replicas' share and cooldown as last read."""
 
     last: EngineSnapshot | None = None
     last_at: float = 0.0
     decode_rate: float = 0.0  # generation tokens/s between the last two scrapes
     health: Health = field(default_factory=Health)
     in_flight: dict = field(default_factory=dict)
+    others: Share = NO_SHARE
+    others_cooldown_until: float = 0.0  # another replica saw it fail: not routable before then
+
+    def routable(self, now: float) -> bool:
+        return self.health.routable(now) and now >= self.others_cooldown_until
+
+    @property
+    def cooling_until(self) -> float:
+        """When the cooldown ends, this gateway's or another replica's, whichever ends later."""
+        return max(self.health.cooldown_until, self.others_cooldown_until)
 
     def scraped(self, snap: EngineSnapshot, now: float) -> None:
         if self.last is not None and now > self.last_at:
@@ -150,17 +178,21 @@ class InstanceState:
         dispatch, since nothing of it is seen before the end.
         """
         snap = self.last if self.last is not None and self.fresh(now, stale_after_s) else NO_SCRAPE
-        own = len(self.in_flight)
-        running = max(snap.running, min(own, max_num_seqs))
-        waiting = max(snap.waiting, own - max_num_seqs)
+        work = self.own_share(now, tpot_s) + self.others
+        running = max(snap.running, min(work.requests, max_num_seqs))
+        waiting = max(snap.waiting, work.requests - max_num_seqs)
+        rate = self.decode_rate if snap is self.last else 0.0
+        return [running, waiting, snap.kv_usage, rate, work.requests, work.prefill_tokens, work.decode_tokens]
+
+    def own_share(self, now: float = 0.0, tpot_s: float = 0.0) -> Share:
+        """This gateway's requests on the instance and their pending work, best known at `now`."""
         prefill = decode = 0.0
         for f in self.in_flight.values():
             done = f.streamed if f.streaming or tpot_s <= 0 else max(f.streamed, (now - f.started_at) / tpot_s)
             if done == 0:
                 prefill += f.prompt_tokens
             decode += max(f.output_tokens - done, 0.0)
-        rate = self.decode_rate if snap is self.last else 0.0
-        return [running, waiting, snap.kv_usage, rate, own, prefill, decode]
+        return Share(len(self.in_flight), prefill, decode)
 
     def features(self, prompt_tokens: int, output_tokens: float, now: float = 0.0) -> list[float]:
         """A TPOT head's whole feature row for a request about to be dispatched (training traces)."""
@@ -180,7 +212,23 @@ class PoolLedger:
         return state
 
     def routable(self, name: str, now: float) -> bool:
-        return self.of(name).health.routable(now)
+        return self.of(name).routable(now)
+
+    def shares(self, instances: tuple, now: float) -> dict[str, Share]:
+        """This gateway's share of each instance's work (what a replica publishes)."""
+        return {i.name: self.of(i.name).own_share(now, i.tpot_prior_ms / 1000) for i in instances}
+
+    def others_read(self, shares: dict[str, Share], cooldowns: dict[str, float], now: float) -> None:
+        """The other replicas' shares and cooldowns (seconds left) as just read: they replace the last read.
+        An instance absent from a read has no work from the others and no cooldown of theirs."""
+        for name in self.by_name.keys() | shares.keys() | cooldowns.keys():
+            state = self.of(name)
+            state.others = shares.get(name, NO_SHARE)
+            state.others_cooldown_until = now + cooldowns[name] if name in cooldowns else 0.0
+
+    def cooldowns(self, now: float) -> dict[str, float]:
+        """Seconds each instance this gateway saw fail stays cooling down (what a replica publishes)."""
+        return {name: s.health.cooldown_until - now for name, s in self.by_name.items() if s.health.cooling(now)}
 
     def unreachable(self, name: str, now: float, rules: HealthRules) -> None:
         """A scrape could not connect."""
@@ -202,7 +250,7 @@ class PoolLedger:
         running, waiting, kv_usage, decode_rate, in_flight, pending_prefill, pending_decode = columns
         return PoolView(
             instances=instances,
-            available=np.array([s.health.routable(now) for s in states], dtype=bool),
+            available=np.array([s.routable(now) for s in states], dtype=bool),
             running=running, waiting=waiting, kv_usage=kv_usage, decode_rate=decode_rate, in_flight=in_flight,
             pending_prefill=pending_prefill, pending_decode=pending_decode,
             max_num_seqs=np.array([i.max_num_seqs for i in instances], dtype=np.float64),

@@ -9,9 +9,8 @@ limit, so concurrent requests cannot overspend a key together.
 Booked spend lives in a store (SQLite for one process, memory for tests);
 reservations live in the ledger. The ledger is used from one event-loop thread,
 so a reservation's check and hold cannot interleave with another's. A store
-shared by several replicas (the Redis backend, a later issue) cannot rely on
-that: it must check and hold in one atomic step on the server (a Lua script
-reading spent and held and adding the hold), and keep its holds there.
+shared by several replicas cannot rely on that: it checks and holds in one
+atomic step on the server (gateway/state/spend.py).
 
 No clock is read here: every method takes ``now`` (epoch seconds); periods are
 UTC days and months.
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import sqlite3
@@ -32,6 +32,8 @@ from typing import NamedTuple, Protocol
 
 from gateway.config import ApiKey
 from gateway.scheduling.budget import within_budget
+
+log = logging.getLogger("routebalance.spend")
 
 
 class SpendStoreError(Exception):
@@ -205,6 +207,11 @@ class SpendLedger:
         self._held: dict[tuple[str, str], _Held] = {}
         self._unwritten: dict[tuple[str, str], Booked] = {}  # settled, not yet taken by the store
 
+    @property
+    def unwritten(self) -> int:
+        """Keys and periods with bookings the store has not taken yet."""
+        return len(self._unwritten)
+
     def booked(self, key_name: str, period: str) -> Booked:
         """What ``key_name`` has booked in ``period`` (a ``period_start`` value); raises SpendStoreError."""
         stored = self.store.booked(key_name, period)
@@ -223,7 +230,7 @@ class SpendLedger:
 
     def reserve(self, key: ApiKey, amount_usd: float, now: float) -> Reservation | None:
         """Hold ``amount_usd`` of ``key``'s spend, or None if that would take it over its limit."""
-        _check_usd(amount_usd, "amount_usd")
+        check_usd(amount_usd, "amount_usd")
         period = period_start(key.period, now)
         limit = key.spend_limit_usd
         # The same tolerance as the max_tokens clamp, so a worst case clamped to the remaining spend fits.
@@ -235,13 +242,20 @@ class SpendLedger:
         self._held[key.name, period] = _Held(held.usd + amount_usd, held.reservations + 1)
         return reservation
 
+    async def acquire(self, key: ApiKey, amount_usd: float, now: float) -> Reservation | None:
+        """`reserve`, in the shape a shared ledger needs (which must ask its server)."""
+        return self.reserve(key, amount_usd, now)
+
+    async def refresh(self, key: ApiKey, now: float) -> None:
+        """Nothing to read before a request: this process holds the whole ledger."""
+
     def settle(self, reservation: Reservation, cost_usd: float) -> None:
         """Book the request's real cost (above or below what was reserved) and free the hold.
 
         Settling again, or after a release, books nothing. Raises SpendStoreError
         when the store refuses the booking, which then stays in memory (see the class).
         """
-        _check_usd(cost_usd, "cost_usd")
+        check_usd(cost_usd, "cost_usd")
         if not self._close(reservation):
             return
         where = (reservation.key, reservation.period)
@@ -258,6 +272,17 @@ class SpendLedger:
         for (key, period), booked in list(self._unwritten.items()):
             self.store.add(key, period, booked.usd, booked.requests)
             del self._unwritten[key, period]
+
+    async def aclose(self, timeout_s: float) -> None:
+        """Write what the store has not taken, and close it."""
+        try:
+            self.flush()
+        except SpendStoreError as e:
+            log.error("spend not yet written to the ledger is lost at exit: %s", e)
+            for (key, period), booked in self._unwritten.items():
+                log.error("unwritten booking: key %s period %s cost %.10f USD (%d requests)", key, period,
+                          booked.usd, booked.requests)
+        self.store.close()
 
     def report(self, keys: Iterable[ApiKey], now: float) -> list[KeySpend]:
         """Each key's spend in its current period."""
@@ -286,6 +311,6 @@ class SpendLedger:
         return True
 
 
-def _check_usd(value: float, what: str) -> None:
+def check_usd(value: float, what: str) -> None:
     if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
         raise ValueError(f"{what} must be a finite number of USD >= 0, got {value!r}")

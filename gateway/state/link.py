@@ -1,0 +1,61 @@
+"""The replicas' link to Redis: one client, its timeouts, and whether the server answers.
+
+Every call goes through `call`, which bounds it in time and records the
+outcome, so the spend ledger and the pool sync agree on one `reachable` flag
+(read by /health/ready and the routebalance_state_backend_up metric).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("routebalance.state")
+
+
+class StateUnavailable(Exception):
+    """Redis did not answer in time, refused, or failed the call."""
+
+
+class RedisLink:
+    def __init__(self, url: str, prefix: str, timeout_s: float):
+        # The client's own timeouts bound connecting and each socket read; `call` bounds the whole call
+        # (a reconnect included). No retries inside the client: the callers decide what a failure means.
+        self.client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                        health_check_interval=30, max_connections=64)
+        self.url = url
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.replica = uuid.uuid4().hex[:12]  # this process, in hold and share names
+        self.reachable = True
+        self._said_down = False
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def call(self, what: str, awaitable: Awaitable):
+        """Await one Redis call within the timeout; StateUnavailable if it fails."""
+        try:
+            result = await asyncio.wait_for(awaitable, self.timeout_s)
+        except (RedisError, OSError, TimeoutError) as e:
+            self._down(what, e)
+            raise StateUnavailable(f"redis at {self.url}: {what} failed: {e.__class__.__name__}: {e}") from None
+        if not self.reachable:
+            log.warning("redis at %s answers again", self.url)
+        self.reachable, self._said_down = True, False
+        return result
+
+    def _down(self, what: str, e: BaseException) -> None:
+        self.reachable = False
+        if not self._said_down:  # once per outage, not once per call
+            self._said_down = True
+            log.error("redis at %s is unreachable (%s: %s: %s); serving on this replica's local view",
+                      self.url, what, e.__class__.__name__, e)
+
+    async def close(self) -> None:
+        await self.client.aclose()
