@@ -112,12 +112,14 @@ class RedisSpendLedger:
         self._settle, self._release = r.register_script(_SETTLE), r.register_script(_RELEASE)
         self._ids = itertools.count(1)
         self._open: dict[int, bool] = {}  # open reservation id -> its hold is in Redis
-        self._read: dict[tuple[str, str], float] = {}  # committed as Redis last returned it
+        # Key name -> (period, committed as Redis last returned it): one entry per key, the current period's.
+        self._read: dict[str, tuple[str, float]] = {}
         # What this replica changed since that Redis does not have yet: holds taken while it was away,
         # and the deltas of the writes in the outbox.
         self._local: dict[tuple[str, str], float] = {}
         self.outbox: deque[_Write] = deque()
         self._wake = asyncio.Event()
+        self._flushing = asyncio.Lock()
 
     @property
     def unwritten(self) -> int:
@@ -130,8 +132,12 @@ class RedisSpendLedger:
         tag = "{" + f"{name}|{period}" + "}"
         return [self.link.key("spend", tag), self.link.key("hold-expiry", tag), self.link.key("hold", tag)]
 
+    def _last_read(self, name: str, period: str) -> float:
+        read_period, committed = self._read.get(name, (period, 0.0))
+        return committed if read_period == period else 0.0
+
     def _committed(self, name: str, period: str) -> float:
-        return self._read.get((name, period), 0.0) + self._local.get((name, period), 0.0)
+        return self._last_read(name, period) + self._local.get((name, period), 0.0)
 
     def _shift(self, where: tuple[str, str], usd: float) -> None:
         left = self._local.get(where, 0.0) + usd
@@ -151,7 +157,7 @@ class RedisSpendLedger:
             if self.on_unavailable == "refuse":
                 raise SpendStoreError(str(e)) from None
             return  # "local": plan with the last view
-        self._read[key.name, period] = float(committed)
+        self._read[key.name] = (period, float(committed))
 
     def remaining(self, key: ApiKey, now: float) -> float | None:
         if key.spend_limit_usd is None:
@@ -202,7 +208,7 @@ class RedisSpendLedger:
             self._shift((key.name, period), amount_usd)  # a hold Redis does not know
             self._open[reservation.id] = False
             return reservation
-        self._read[key.name, period] = float(committed)
+        self._read[key.name] = (period, float(committed))
         if not int(granted):
             return None
         self._open[reservation.id] = True
@@ -242,6 +248,10 @@ class RedisSpendLedger:
 
     async def flush(self) -> None:
         """Write the outbox; raises SpendStoreError (keeping what is left) if Redis fails."""
+        async with self._flushing:  # one writer: each write is taken off the outbox once
+            await self._write_outbox()
+
+    async def _write_outbox(self) -> None:
         while self.outbox:
             write = self.outbox[0]
             r = write.reservation
@@ -260,7 +270,8 @@ class RedisSpendLedger:
             self.outbox.popleft()
             self._shift((r.key, r.period), -write.delta())
             # Redis now has it: the last read lags until the next one; count it there meanwhile.
-            self._read[r.key, r.period] = self._read.get((r.key, r.period), 0.0) + write.delta()
+            if r.key in self._read and self._read[r.key][0] == r.period:
+                self._read[r.key] = (r.period, self._read[r.key][1] + write.delta())
 
     async def aclose(self, timeout_s: float) -> None:
         """Write what is left, within `timeout_s`; what cannot be written is logged, one line per booking."""
