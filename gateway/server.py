@@ -294,7 +294,9 @@ class Gateway:
             attempt.status = e.status
             raise
         except asyncio.CancelledError:
-            attempt.status = 499  # the client went away
+            # The client went away: before its answer was whole (499), or once it was (an SDK hangs up
+            # on [DONE]), which is a served request.
+            attempt.status = 200 if attempt.result.final and not attempt.result.failed_status else 499
             raise
         finally:
             self.metrics.in_flight.dec()
@@ -464,6 +466,7 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.store.current
+        self.access.authorize(request, cfg, self.host)  # as OpenAI's: the pool's names are not public
         created = int(time.time())
         data = [{"id": a, "object": "model", "created": created, "owned_by": "routebalance"}
                 for a in cfg.server.aliases]

@@ -47,6 +47,9 @@ def test_keys_are_required_and_limit_models_and_rate(tmp_path, stubs):
         with pytest.raises(openai.AuthenticationError) as e:
             client(stack, key="rb-wrong").chat.completions.create(model=MODEL, messages=MESSAGES)
         assert e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):  # the pool's model names are not public either
+            client(stack, key="rb-wrong").models.list()
+        assert MODEL in {m.id for m in client(stack).models.list()}
         r = httpx.post(stack.base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES}, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert client(stack).chat.completions.create(model=MODEL, messages=MESSAGES).choices
@@ -206,6 +209,10 @@ def test_a_stream_whose_client_leaves_on_done_pays_its_real_cost_not_the_worst_c
         assert usage["completion_tokens"] == 20  # the stub's answer
         wait_for(lambda: spent(tmp_path) > 0, what="the attempt's payment")
         assert spent(tmp_path) == pytest.approx(usage["cost_usd"])  # the worst case reserved 500 answer tokens
+        page = httpx.get(stack.root + "/metrics", timeout=5).text  # and it counts as served, not as a hang-up
+        statuses = {line.split('status="')[1].split('"')[0] for line in page.splitlines()
+                    if line.startswith("routebalance_requests_total{")}
+        assert statuses == {"200"}
     finally:
         stack.stop()
 
