@@ -168,10 +168,10 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--sweep",
                    help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, "
-                        "qlm, qlm_cap, qlm_multi, qos")
-    p.add_argument("--requests", type=int, default=2500,
-                   help="held-out prompts per cell (the paper's held-out set is 3534; 2500 keeps the five sweeps "
-                        "at five seeds near 27 minutes on two cores, 3534 near 36)")
+                        "qlm, qlm_cap, qlm_multi, qos, staleness")
+    p.add_argument("--requests", type=int,
+                   help="held-out prompts per cell (default 2500, the staleness sweep 1200; the paper's held-out set "
+                        "is 3534; 2500 keeps the five sweeps at five seeds near 27 minutes on two cores, 3534 near 36)")
     p.add_argument("--seeds", type=int,
                    help="arrival seeds 0..N-1 per cell, reported as means with 95%% bootstrap intervals "
                         "(default: 5 for a sweep; one cell runs on --seed alone unless given)")
@@ -198,6 +198,13 @@ def add_offline_commands(sub) -> None:
                    help="one cell: QLM's multi-model W_A, four GPUs time-sharing five models; the three tail "
                         "models take this share of the requests (0..1)")
     p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="one cell: gateway replicas behind a round-robin balancer, sharing their in-flight work")
+    p.add_argument("--staleness-ms", type=float, default=0.0,
+                   help="one cell, replicas: what one replica publishes reaches the others this much later")
+    p.add_argument("--sync-ms", type=float,
+                   help="one cell, replicas: each publishes its share and reads the others' this often (default: "
+                        "[state].sync_interval_s; 0: every decision reads the others' work as it is; inf: never)")
 
     p = sub.add_parser("calibrate", help="check the simulated world against the paper's testbed: target vs achieved")
     p.add_argument("--config", type=Path, default=default_config_path())
@@ -306,8 +313,11 @@ def cmd_bench(args) -> int:
 def cmd_sim(args) -> int:
     import orjson
 
+    from gateway.sim.catalog import REQUESTS
     from gateway.sim.sweeps import Cell, run_seeded
 
+    if args.requests is None:
+        args.requests = REQUESTS.get(args.sweep, 2500)
     if args.requests < 1 or args.workers < 1 or (args.seeds is not None and args.seeds < 1):
         raise ValueError("--requests, --workers and --seeds must be at least 1")
     if args.sweep:
@@ -324,12 +334,20 @@ def cmd_sim(args) -> int:
         if not 0 <= args.tail <= 1 or args.model:
             raise ValueError("--tail is a share in 0..1, and W_A's requests name their own models (no --model)")
         models, tags = w_a_mix(args.tail), {"pool": "W_A"}
-    w = load_config(args.config).weights(args.preset)
+    cfg = load_config(args.config)
+    w = cfg.weights(args.preset)
+    sync_s = cfg.state.sync_interval_s if args.sync_ms is None else args.sync_ms / 1000
     spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
                     ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
                     budget_share=args.budget_share, model=args.model, models=models, slos=parse_slo_mix(args.slos),
                     tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
-                    mega_share=args.mega_share, stream_below_s=BATCH_SLO_S)
+                    mega_share=args.mega_share, stream_below_s=BATCH_SLO_S, replicas=args.replicas,
+                    sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000)
+    if args.replicas > 1:
+        from gateway.sim.replicas import sharing_mode
+
+        tags |= {"replicas": args.replicas, "sharing": sharing_mode(args.replicas, sync_s),
+                 "sync_ms": 1000 * sync_s, "staleness_ms": args.staleness_ms}
     seeds = [args.seed] if args.seeds is None else list(range(args.seeds))
     result = run_seeded([Cell(args.policy, args.preset, spec, tags=tags)], str(args.config), args.requests,
                         seeds=seeds, workers=min(args.workers, len(seeds)), workload=args.workload)
@@ -360,7 +378,8 @@ def _sim_sweep(args) -> int:
 
     result = run_seeded(cells, str(args.config), args.requests, seeds=seeds, workers=args.workers,
                         workload=args.workload, pairs=pairs, progress=progress)
-    paths = [*write_sweep(result, args.out, args.sweep), *plot_sweep(args.sweep, result.rows, args.out)]
+    paths = [*write_sweep(result, args.out, args.sweep),
+             *plot_sweep(args.sweep, result.rows, args.out, pairs=result.pairs)]
     print(format_rows(result.rows))
     if result.pairs:
         print(format_pairs(result.pairs))
@@ -405,14 +424,17 @@ SLO_COLUMNS = (("slo_attainment", "SLO met", ".3f", 13, "slo_attainment"), ("qos
 
 
 def format_pairs(pairs: list[dict]) -> str:
-    """A text table of a sweep's paired comparisons: A - B with its paired 95% interval."""
-    columns = [("quality", "quality", "+.4f"), ("e2e_mean", "mean E2E (s)", "+.2f"),
-               ("slo_attainment", "SLO attainment", "+.3f"), ("qos", "QoS", "+.4f")]
-    shown = [c for c in columns if any(f"{c[0]}_diff" in p for p in pairs)]
+    """A text table of a sweep's paired comparisons: A - B with its paired 95% interval, and A / B - 1 where
+    the pair asked for relative changes."""
+    columns = [("quality_diff", "quality", "+.4f"), ("e2e_mean_diff", "mean E2E (s)", "+.2f"),
+               ("slo_attainment_diff", "SLO attainment", "+.3f"), ("qos_diff", "QoS", "+.4f"),
+               ("quality_rel", "quality, relative", "+.1%"), ("e2e_mean_rel", "mean E2E, relative", "+.1%"),
+               ("e2e_p90_rel", "p90 E2E, relative", "+.1%")]
+    shown = [c for c in columns if any(c[0] in p for p in pairs)]
     lines = [f"{'A - B':<58} " + " ".join(f"{title:>27}" for _, title, _ in shown)]
     for p in pairs:
         lines.append(f"{p['pair'][:58]:<58} " + " ".join(
-            f"{_diff(p, name, fmt) if f'{name}_diff' in p else '':>27}" for name, _, fmt in shown))
+            f"{_diff(p, key, fmt) if key in p else '':>27}" for key, _, fmt in shown))
     return "\n".join(lines)
 
 
@@ -427,8 +449,8 @@ def _pm(row: dict, name: str, fmt: str) -> str:
     return f"{row[name]:{fmt}}±{(hi - lo) / 2:{fmt}}"
 
 
-def _diff(pair: dict, name: str, fmt: str) -> str:
-    return f"{pair[f'{name}_diff']:{fmt}} [{pair[f'{name}_diff_lo']:{fmt}}, {pair[f'{name}_diff_hi']:{fmt}}]"
+def _diff(pair: dict, key: str, fmt: str) -> str:
+    return f"{pair[key]:{fmt}} [{pair[f'{key}_lo']:{fmt}}, {pair[f'{key}_hi']:{fmt}}]"
 
 
 def cmd_calibrate(args) -> int:
@@ -468,6 +490,15 @@ def cmd_keys_list(args) -> int:
         print(f"no API keys in {args.config}; `routebalance keys add NAME --config CONFIG` adds one")
         return 0
     state = config.state
+    if state.backend == "redis":
+        try:
+            spends = asyncio.run(_redis_report(state, keys))
+        except SpendStoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(format_keys(keys, spends))
+        print(f"\nspend from {state.url} (booked; what requests in flight hold is not shown)")
+        return 0
     if state.backend == "memory":
         print(format_keys(keys, None))
         print('\n[state] backend = "memory": spend is kept inside the running gateway only; nothing to show here')
@@ -488,6 +519,17 @@ def cmd_keys_list(args) -> int:
     print(format_keys(keys, spends))
     print(f"\nspend from {state.path}")
     return 0
+
+
+async def _redis_report(state, keys):
+    from gateway.state.link import RedisLink
+    from gateway.state.spend import RedisSpendLedger
+
+    link = RedisLink(state.url, state.prefix, state.timeout_s)
+    try:
+        return await RedisSpendLedger(link, state.on_unavailable, hold_ttl_s=1).report(keys, time.time())
+    finally:
+        await link.close()
 
 
 def format_keys(keys, spends) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 import httpx
 import openai
@@ -277,3 +278,33 @@ def test_the_state_backend_is_checked_in_the_config(tmp_path):
     path = stub_config(tmp_path, [Stub()], state={"backend": "redis", "on_unavailable": "maybe"})
     with pytest.raises(Exception, match="on_unavailable"):
         ConfigStore(path)
+
+
+async def test_keys_list_reads_the_spend_from_redis(server, tmp_path, capsys):
+    from gateway.cli import main
+
+    path = stub_config(tmp_path, [Stub()], auth={"keys": [{"name": "team", "sha256": hash_key(KEY),
+                                                           "spend_limit_usd": 2.0}]},
+                       state={"backend": "redis", "url": server.url, "prefix": "test:"})
+    ledger = replica(server)
+    key = ConfigStore(path).current.auth.keys[0]
+    ledger.settle(await ledger.acquire(key, 1.0, time.time()), 0.75)
+    await ledger.flush()
+    await ledger.link.close()
+    assert await asyncio.to_thread(main, ["keys", "list", "--config", str(path)]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("team"))
+    assert row[1:] == ["2.000000", "total", "0.750000", "1", "1.250000", "-"]
+    server.stop()
+    assert await asyncio.to_thread(main, ["keys", "list", "--config", str(path)]) == 1
+    assert "redis at" in capsys.readouterr().err
+
+
+async def test_flushes_at_once_write_each_booking_once(server):
+    ledger = replica(server)
+    key = limited(None, "free")
+    for _ in range(20):
+        ledger.settle(await ledger.acquire(key, 0.1, NOW), 0.01)
+    await asyncio.gather(ledger.flush(), ledger.flush(), ledger.flush())  # the writer task and a shutdown, say
+    assert not ledger.outbox
+    await ledger.link.close()
+    assert await booked(server, key) == (pytest.approx(0.2), 20)

@@ -3,6 +3,7 @@
 - arrivals.py: Poisson, gamma-bursty and square-wave arrival processes;
 - evalset.py: held-out prompts with their labels and cached estimates, and the compute cost model;
 - simulator.py: one cell, through the batcher, the pool view, the policies and the engine model;
+- replicas.py: several gateway replicas behind a balancer, sharing their in-flight work late;
 - metrics.py: a cell's figures from its outcomes (shared with the live check);
 - stats.py: bootstrap intervals over seeds and requests, and paired differences;
 - sweeps.py, plots.py: the named sweeps, their tables and pictures;

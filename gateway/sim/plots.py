@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +280,77 @@ def qos_curves(rows: list[dict], out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "qos.png")]
 
 
+STALENESS_FIGURES = (("quality", "mean quality", -1), ("e2e_mean", "mean E2E", 1), ("e2e_p90", "p90 E2E", 1))
+THRESHOLD = 0.02  # the change that counts: 2% less quality or 2% more latency
+
+
+def staleness(pairs: list[dict], out_dir: Path) -> list[Path]:
+    """The staleness sweep: each figure's change against one replica, in %, against the delay with which the
+    replicas read each other's work (banded, one curve per load); instant sharing on the left and none at all
+    on the right as the bounds; the 2% line on the side where a change hurts."""
+    fig, axes = _pyplot().subplots(1, len(STALENESS_FIGURES), figsize=(6.5 * len(STALENESS_FIGURES), 5.2))
+    periodic = [p for p in pairs if p.get("sharing") == "periodic"]
+    delays = sorted({p["staleness_ms"] for p in periodic})
+    sync = periodic[0]["sync_ms"] if periodic else None
+    # The x axis, evenly spaced: instant sharing, each delay, no sharing.
+    ticks = ["instant", *(f"{d:g}" for d in delays), "not\nshared"]
+    x_of = {("instant", None): 0, ("none", None): len(delays) + 1,
+            **{("periodic", d): k + 1 for k, d in enumerate(delays)}}
+    loads = list(dict.fromkeys((p.get("workload", ""), p["rate"]) for p in pairs))
+    width = 0.25 / max(len(loads), 1)  # loads side by side at each x
+    spans: list[list[float]] = [[] for _ in STALENESS_FIGURES]  # what each panel's y axis must show
+    far: list[list[tuple[float, float, str]]] = [[] for _ in STALENESS_FIGURES]  # bounds beyond it: (x, y, colour)
+    for k, (workload, rate) in enumerate(loads):
+        colour, shift = f"C{k % 10}", (k - (len(loads) - 1) / 2) * width
+        at = sorted((p for p in pairs if (p.get("workload", ""), p["rate"]) == (workload, rate)
+                     and (p.get("sharing"), p.get("staleness_ms") if p.get("sharing") == "periodic" else None) in x_of),
+                    key=lambda p: _x(x_of, p))
+        curve = [p for p in at if p.get("sharing") == "periodic"]
+        bounds = [p for p in at if p.get("sharing") != "periodic"]
+        label = f"{workload}, {rate:g} req/s" if workload else f"{rate:g} req/s"
+        for n, (ax, (figure, _, _)) in enumerate(zip(axes, STALENESS_FIGURES, strict=True)):
+            spans[n] += [100 * p[f"{figure}_rel{end}"] for p in curve for end in ("_lo", "_hi")]
+            xs = [_x(x_of, p) + shift for p in curve]
+            ys = [100 * p[f"{figure}_rel"] for p in curve]
+            ax.plot(xs, ys, "-o", c=colour, label=label, markersize=4)
+            ax.fill_between(xs, [100 * p[f"{figure}_rel_lo"] for p in curve],
+                            [100 * p[f"{figure}_rel_hi"] for p in curve], color=colour, alpha=0.15, linewidth=0)
+            rows = [{"y": 100 * p[f"{figure}_rel"], "y_lo": 100 * p[f"{figure}_rel_lo"],
+                     "y_hi": 100 * p[f"{figure}_rel_hi"]} for p in bounds]
+            ax.errorbar([_x(x_of, p) + shift for p in bounds], [r["y"] for r in rows], yerr=_err(rows, "y"),
+                        fmt="s", c=colour, capsize=3, markersize=5)
+            far[n] += [(_x(x_of, p) + shift, r["y"], colour) for p, r in zip(bounds, rows, strict=True)]
+    for n, (ax, (_, title, worse)) in enumerate(zip(axes, STALENESS_FIGURES, strict=True)):
+        # The axis shows the curves and the 2% line; a bound far beyond them is written at the edge.
+        low = min([*spans[n], -2 * 100 * THRESHOLD]) - 1
+        high = max([*spans[n], 2 * 100 * THRESHOLD]) + 1
+        ax.set_ylim(low, high)
+        for x, y, colour in far[n]:
+            if not low <= y <= high:
+                edge = high if y > high else low
+                ax.annotate(f"{y:+.1f}%", (x, edge), xytext=(x, edge - 0.12 * (high - low) * (1 if y > high else -1)),
+                            ha="center", fontsize=8, color=colour, arrowprops={"arrowstyle": "->", "color": colour})
+        ax.axhline(0, c="k", lw=0.6)
+        ax.axhline(100 * THRESHOLD * worse, c="tab:red", ls="-.", lw=1, label=f"{THRESHOLD:.0%} worse")
+        ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
+        ax.set(xlabel="how the 3 replicas share their work: Δ in ms, from a publication to the others' read",
+               ylabel=f"{title} against 1 replica (%)", title=f"{title}: change (95% paired intervals)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    head = "Gateway replicas behind a round-robin balancer, against one gateway (same prompts and arrivals)"
+    if sync is not None:
+        head += (f". Each publishes its in-flight work every {sync:g} ms, so the others' work a replica counts is "
+                 f"Δ to Δ + {2 * sync:g} ms old, Δ + {sync:g} ms on average")
+    fig.suptitle(head, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    return [_save(fig, out_dir / "staleness.png")]
+
+
+def _x(x_of: dict, pair: dict) -> int:
+    sharing = pair.get("sharing")
+    return x_of[sharing, pair["staleness_ms"] if sharing == "periodic" else None]
+
+
 def _condition(row: dict) -> str:
     """The arrival process, and which tiers were down, on two lines (x tick labels)."""
     if not row.get("down"):
@@ -293,7 +365,8 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
+def plot_sweep(name: str, rows: list[dict], out_dir: Path, pairs: Sequence[dict] = ()) -> list[Path]:
+    """The sweep's PNG (`pairs`: its paired comparisons, which some sweeps plot)."""
     require_matplotlib()
     if name == "frontier":
         return frontier(rows, out_dir)
@@ -309,4 +382,6 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path) -> list[Path]:
         return slo_bars(rows, out_dir, name)
     if name == "qos":
         return qos_curves(rows, out_dir)
+    if name == "staleness":
+        return staleness(list(pairs), out_dir)
     return []

@@ -17,6 +17,12 @@ The scheduler is one worker, as live: a batch's compute (ComputeCost, timed
 from the real estimators) passes in virtual time before its requests reach
 their instances, and the next batch cannot fire before that. Nothing reads a
 clock and every random choice comes from the seed, so a cell repeats exactly.
+
+A cell may run several gateway replicas (`CellSpec.replicas`) behind a
+round-robin balancer: each is a `Replica` (its own loop, ledger, policies,
+scrapes and batches), all dispatch to the same engines, and they share their
+in-flight accounting late through replicas.SharedState. One replica is the
+R = 1 case of the same code: nothing is shared and no sync tick comes.
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ from gateway.engine.shared_gpu import SharedGpu, gpu_groups
 from gateway.scheduling.budget import per_token, predicted_cost
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
+from gateway.scheduling.policies.base import Policy
 from gateway.scheduling.request import Completion, Estimates, Refusal, RouteRequest, Ticket
 from gateway.scheduling.slo import check_slo_mix, slo_class
+from gateway.scheduling.view import PoolView
 from gateway.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.sim.evalset import EvalSet
+from gateway.sim.replicas import SharedState, replica_of
 
 DEFAULT_MAX_TOKENS = 1024  # what each simulated client asks for, like the paper's harness
 
@@ -71,9 +80,16 @@ class CellSpec:
     # Requests whose SLO is at least this long do not stream (batch jobs read the whole answer), so a
     # policy may evict them until they finish; the rest stream, evictable until their first token.
     stream_below_s: float = math.inf
+    # Gateway replicas behind a round-robin balancer (replicas.py), each publishing its share of the work
+    # every `sync_interval_s` (0: the others' work is read as it is at every decision; inf: never shared),
+    # what one publishes readable by the others `staleness_s` later.
+    replicas: int = 1
+    sync_interval_s: float = 0.25
+    staleness_s: float = 0.0
 
     def __post_init__(self):
         check_slo_mix(self.slos)
+        SharedState(self.replicas, self.sync_interval_s, self.staleness_s)  # refuses what cannot be
         if self.models and (self.model is not None or abs(sum(w for _, w in self.models) - 1) > 1e-9
                             or any(w < 0 for _, w in self.models)):
             raise ValueError("models: shares >= 0 summing to 1, and no `model` beside them")
@@ -109,6 +125,7 @@ class CellResult:
     ranked_down: tuple[int, ...] = ()  # requests whose decision put a down instance first
     swaps: float = math.nan  # model loads on GPUs shared by several models (NaN: no GPU is shared)
     swap_s: float = math.nan  # GPU seconds those loads took
+    info_age_s: float = math.nan  # replicas: mean age of the others' work counted at a decision (NaN: none)
 
 
 def budgets(spec: CellSpec, prompt_tokens: np.ndarray) -> list[float | None]:
@@ -155,122 +172,182 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
     """Simulate one cell. `estimators` (the loaded bundle: KNN index for
     Avengers-style routing, TPOT heads for RouteBalance) may be None for
     policies that need neither."""
-    ev = evalset.take(spec.requests)
-    # The cell's policy is the default one, so its `order` hook orders the queue as it would live.
-    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=spec.policy))
-    instances = cfg.instances
-    named = named_models(spec, len(ev))
-    serving = {m: tuple(k for k, inst in enumerate(instances) if m in (None, inst.model)) for m in set(named)}
-    if not all(serving.values()):
-        raise ValueError(f"no instance serves {[m for m, c in serving.items() if not c]}")
-    gpus = shared_gpus(instances, spec)
-    engines = [e for _, e in sorted((k, e) for gpu in gpus for k, e in gpu.engines.items())]
-    down = {k for k, inst in enumerate(instances) if inst.model in spec.down}
-    ledger = PoolLedger()
-    # The 429 bound is the live server's concern; each simulated request names its model's instances.
-    core = SchedulingLoop(ledger, max_queue=1 << 30, resolve=lambda _cfg, model: serving[model or None],
-                          estimators=estimators)
-    policy = core.policies(cfg).get(spec.policy)
-    if isinstance(policy, Refusal):
-        raise ValueError(policy.message)
-    times = arrival_times(spec.arrivals, len(ev), spec.seed)
-    mega = megas(spec, len(ev))
-    prompt_tokens = np.where(mega, spec.mega_tokens[0], ev.prompt_tokens)
-    label_length = np.where(mega[:, None], spec.mega_tokens[1], ev.label_length)
-    budget_of = budgets(spec, prompt_tokens)
-    slo_of = slos(spec, len(ev))
-    class_of = [slo_class(s, cfg.slo.classes) for s in slo_of]
-    outcomes = [Outcome(float(t), prompt_tokens=int(prompt_tokens[r]), budget_usd=budget_of[r], slo_s=slo_of[r],
-                        slo_class=class_of[r], tpot_slo_s=spec.tpot_slo_s)
-                for r, t in enumerate(times)]
-    tickets = [Ticket(RouteRequest(serving[named[r]], ev.prompts[r], int(prompt_tokens[r]), spec.max_tokens,
-                                   spec.weights, budget_of[r], spec.policy, slo_s=slo_of[r],
-                                   tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r]),
-                      named[r] or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
-                      config=cfg, handle=r) for r in range(len(ev))]
-    in_flight: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), until seen finished
-    sequences: dict[int, tuple[int, object]] = {}
-    batches: list[int] = []
-    ranked_down: list[int] = []
-    prices_in = np.array([per_token(i.price_input_per_mtok) for i in instances])
-    prices_out = np.array([per_token(i.price_output_per_mtok) for i in instances])
-    scrape_every = cfg.telemetry.scrape_interval_s
-    generated = np.zeros(len(instances))  # cumulative counters, as vLLM exports them
-    prefilled = np.zeros(len(instances))
+    return Simulation(cfg, evalset, spec, estimators).run()
 
-    def estimate(batch: list[Ticket]) -> Estimates:
+
+class Replica:
+    """One gateway process: its scheduling loop with its pool ledger and policies, the requests it has on the
+    instances, its scrape clock, and the batch it is deciding. A cell runs `spec.replicas` of them."""
+
+    def __init__(self, index: int, core: SchedulingLoop, policy: Policy, first_scrape: float):
+        self.index, self.core, self.policy = index, core, policy
+        self.in_flight: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), until seen finished
+        self.first_heard: set[int] = set()
+        self.next_scrape = first_scrape
+        self.busy_until = 0.0  # its scheduler's worker is computing a batch until then
+        self.pending: tuple[float, list[Ticket], list] | None = None  # a decided batch: (when it is dispatched, ...)
+        self.window = None
+
+    @property
+    def ledger(self) -> PoolLedger:
+        return self.core.ledger
+
+
+class Simulation:
+    """One cell: the engines and the requests' fates, shared by the gateway replicas that dispatch to them
+    (one unless `spec.replicas` says otherwise; replicas.py for how several share their accounting)."""
+
+    def __init__(self, cfg, evalset: EvalSet, spec: CellSpec, estimators=None):
+        ev = self.ev = evalset.take(spec.requests)
+        self.spec = spec
+        # The cell's policy is the default one, so its `order` hook orders the queue as it would live.
+        cfg = self.cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=spec.policy))
+        instances = self.instances = cfg.instances
+        named = named_models(spec, len(ev))
+        serving = {m: tuple(k for k, inst in enumerate(instances) if m in (None, inst.model)) for m in set(named)}
+        if not all(serving.values()):
+            raise ValueError(f"no instance serves {[m for m, c in serving.items() if not c]}")
+        self.gpus = shared_gpus(instances, spec)
+        self.engines = [e for _, e in sorted((k, e) for gpu in self.gpus for k, e in gpu.engines.items())]
+        self.down = {k for k, inst in enumerate(instances) if inst.model in spec.down}
+        self.scrape_every = cfg.telemetry.scrape_interval_s
+        self.shared = SharedState(spec.replicas, spec.sync_interval_s, spec.staleness_s)
+        self.replicas = []
+        for k in range(spec.replicas):
+            # The 429 bound is the live server's concern; each simulated request names its model's instances.
+            core = SchedulingLoop(PoolLedger(), max_queue=1 << 30, resolve=lambda _cfg, model: serving[model or None],
+                                  estimators=estimators)
+            policy = core.policies(cfg).get(spec.policy)
+            if isinstance(policy, Refusal):
+                raise ValueError(policy.message)
+            # Replicas start at unrelated times: their scrapes are spread over the interval.
+            self.replicas.append(Replica(k, core, policy, k * self.scrape_every / spec.replicas))
+        policy = self.replicas[0].policy
+        self.times = arrival_times(spec.arrivals, len(ev), spec.seed)
+        mega = megas(spec, len(ev))
+        prompt_tokens = np.where(mega, spec.mega_tokens[0], ev.prompt_tokens)
+        self.label_length = np.where(mega[:, None], spec.mega_tokens[1], ev.label_length)
+        budget_of = budgets(spec, prompt_tokens)
+        slo_of = slos(spec, len(ev))
+        class_of = [slo_class(s, cfg.slo.classes) for s in slo_of]
+        self.outcomes = [Outcome(float(t), prompt_tokens=int(prompt_tokens[r]), budget_usd=budget_of[r],
+                                 slo_s=slo_of[r], slo_class=class_of[r], tpot_slo_s=spec.tpot_slo_s)
+                         for r, t in enumerate(self.times)]
+        self.tickets = [Ticket(RouteRequest(serving[named[r]], ev.prompts[r], int(prompt_tokens[r]), spec.max_tokens,
+                                            spec.weights, budget_of[r], spec.policy, slo_s=slo_of[r],
+                                            tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r]),
+                               named[r] or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
+                               config=cfg, handle=r) for r in range(len(ev))]
+        self.sequences: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), every one dispatched
+        self.parked: dict[int, int] = {}  # evicted requests whose KV cache waits in an instance's host memory
+        self.batches: list[int] = []
+        self.ranked_down: list[int] = []
+        self.ages: list[float] = []  # per decision with replicas: how old the others' work it counted was
+        self.prices_in = np.array([per_token(i.price_input_per_mtok) for i in instances])
+        self.prices_out = np.array([per_token(i.price_output_per_mtok) for i in instances])
+        self.generated = np.zeros(len(instances))  # cumulative counters, as vLLM exports them
+        self.prefilled = np.zeros(len(instances))
+        self.warming = policy.overrides("warm") and any(gpu.shared for gpu in self.gpus)
+        self.evicting = policy.overrides("evict")
+
+    # ---- the engines --------------------------------------------------------------------------
+    def estimate(self, batch: list[Ticket]) -> Estimates:
         rows = [t.handle for t in batch]
-        return Estimates(ev.quality[rows], ev.length[rows], ev.embeddings[rows])
+        return Estimates(self.ev.quality[rows], self.ev.length[rows], self.ev.embeddings[rows])
 
-    def advance(t: float) -> None:
-        for gpu in gpus:
+    def advance(self, t: float) -> None:
+        for gpu in self.gpus:
             for k, report in gpu.advance(t).items():
-                generated[k] += report.generation_tokens
-                prefilled[k] += report.prompt_tokens
+                self.generated[k] += report.generation_tokens
+                self.prefilled[k] += report.prompt_tokens
 
-    warming = policy.overrides("warm") and any(gpu.shared for gpu in gpus)
-
-    def warm(t: float) -> None:
+    def warm(self, rep: Replica, t: float) -> None:
         """The policy's warm start: the models it wants in host memory next."""
-        wanted = policy.warm()
-        for gpu in gpus:
+        wanted = rep.policy.warm()
+        for gpu in self.gpus:
             if gpu.shared:
                 gpu.warm([k for k in wanted if k in gpu.engines], t)
 
-    first_heard: set[int] = set()
-
-    def sync(t: float) -> None:
-        """The gateway hears first tokens, progress and completions (of a request that does not stream, the
+    # ---- what a replica hears ---------------------------------------------------------------------
+    def sync(self, rep: Replica, t: float) -> None:
+        """The replica hears first tokens, progress and completions (of a request that does not stream, the
         gateway hears as its relay reads)."""
-        for rid, (i, seq) in list(in_flight.items()):
-            if rid not in first_heard and seq.first_token_time is not None:
-                first_heard.add(rid)
-                core.first_token(tickets[rid], seq.first_token_time)
+        core = rep.core
+        for rid, (i, seq) in list(rep.in_flight.items()):
+            if rid not in rep.first_heard and seq.first_token_time is not None:
+                rep.first_heard.add(rid)
+                core.first_token(self.tickets[rid], seq.first_token_time)
             if seq.finished:
-                core.complete(tickets[rid], Completion(True, i, seq.generated), seq.finish_time)
-                del in_flight[rid]
+                core.complete(self.tickets[rid], Completion(True, i, seq.generated), seq.finish_time)
+                del rep.in_flight[rid]
             else:
-                core.progress(tickets[rid], seq.generated, t)
+                core.progress(self.tickets[rid], seq.generated, t)
 
-    def scrape(t: float) -> None:
-        for k, (inst, e) in enumerate(zip(instances, engines, strict=True)):
-            if k in down:
-                ledger.unreachable(inst.name, t, cfg.health)  # a scrape that cannot connect counts as a failure
+    def scrape(self, rep: Replica, t: float) -> None:
+        for k, (inst, e) in enumerate(zip(self.instances, self.engines, strict=True)):
+            if k in self.down:
+                rep.ledger.unreachable(inst.name, t, self.cfg.health)  # a scrape that cannot connect is a failure
                 continue
-            ledger.of(inst.name).scraped(
-                EngineSnapshot(e.num_running, e.num_waiting, e.kv_usage(), generated[k], prefilled[k]), t)
+            rep.ledger.of(inst.name).scraped(
+                EngineSnapshot(e.num_running, e.num_waiting, e.kv_usage(), self.generated[k], self.prefilled[k]), t)
 
-    def fire(t: float, window) -> tuple[float, list[Ticket], list]:
+    def tick(self, rep: Replica, t: float) -> None:
+        """The replica's sync tick: it publishes its share of the work (as of what it has heard) and reads
+        the others'."""
+        self.sync(rep, t)
+        self.shared.publish(rep.index, rep.ledger, self.instances, t)
+        self.shared.read(rep.index, rep.ledger, t)
+        self.shared.ticked(rep.index)
+
+    def look(self, rep: Replica, t: float) -> None:
+        """Before a decision: with instant sharing, the replica reads every other one's work as it is now."""
+        if not self.shared.instant:
+            return
+        for other in self.replicas:
+            if other is not rep:
+                self.sync(other, t)
+                self.shared.publish(other.index, other.ledger, self.instances, t)
+        self.shared.read(rep.index, rep.ledger, t)
+
+    # ---- what a replica does -------------------------------------------------------------------------
+    def view(self, rep: Replica, t: float) -> PoolView:
+        """The pool as the replica sees it when it decides a batch."""
+        return rep.core.view(self.cfg, t)
+
+    def fire(self, rep: Replica, t: float, window) -> tuple[float, list[Ticket], list]:
+        core, cfg = rep.core, self.cfg
         batch, _ = core.take(cfg, window, t)
-        batches.append(len(batch))
-        decided = core.decide(cfg, batch, core.view(cfg, t), estimate)
+        self.batches.append(len(batch))
+        if self.shared.mode != "single":
+            self.ages.append(self.shared.age(rep.index, t))
+        decided = core.decide(cfg, batch, self.view(rep, t), self.estimate)
         for ticket, (d, _) in zip(batch, decided, strict=True):
-            if d.ranked and d.ranked[0] in down:
-                ranked_down.append(ticket.handle)  # the policy put a known-down instance first
-        compute = ev.cost.estimate_s(len(batch)) if policy.needs_estimates else 0.0
-        compute += policy.compute_s(len(batch), ev.cost)
+            if d.ranked and d.ranked[0] in self.down:
+                self.ranked_down.append(ticket.handle)  # the policy put a known-down instance first
+        compute = self.ev.cost.estimate_s(len(batch)) if rep.policy.needs_estimates else 0.0
+        compute += rep.policy.compute_s(len(batch), self.ev.cost)
         return t + compute, batch, decided
 
-    parked: dict[int, int] = {}  # evicted requests whose KV cache waits in an instance's host memory
-
-    def pay_prompt(rid: int, i: int) -> None:
+    def pay_prompt(self, rid: int, i: int) -> None:
         """Instance i read the request's prompt for an attempt that gave no answer: paid, as live."""
-        outcomes[rid].cost_usd += float(predicted_cost(outcomes[rid].prompt_tokens, 0, prices_in[i], prices_out[i]))
+        out = self.outcomes[rid]
+        out.cost_usd += float(predicted_cost(out.prompt_tokens, 0, self.prices_in[i], self.prices_out[i]))
 
-    def unpark(rid: int, i: int) -> None:
+    def unpark(self, rid: int, i: int) -> None:
         """An evicted request's kept KV cache is dropped: its prompt was read for nothing."""
-        engines[i].drop_swapped(rid)
-        pay_prompt(rid, i)
+        self.engines[i].drop_swapped(rid)
+        self.pay_prompt(rid, i)
 
-    def dispatch(t: float, decided: list[Ticket]) -> None:
+    def dispatch(self, rep: Replica, t: float, decided: list[Ticket]) -> None:
         """Send decided requests to their engines; a refused one is answered at once."""
+        core, engines = rep.core, self.engines
         for ticket in decided:
-            rid, out = ticket.handle, outcomes[ticket.handle]
+            rid, out = ticket.handle, self.outcomes[ticket.handle]
             # A down instance refuses the connection: the next plan is tried, as live.
             refused = ticket.decision is None or ticket.decision.refused is not None
             plan = None
             for p in () if refused else core.plans(ticket, t):
-                if p.instance not in down:
+                if p.instance not in self.down:
                     plan = p
                     break
                 core.attempt_failed(ticket, p, t, unreachable=True)
@@ -280,102 +357,129 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
                 continue
             core.dispatched(ticket, plan, t)
             i = plan.instance
-            label = int(label_length[rid, i])
+            label = int(self.label_length[rid, i])
             out.instance, out.dispatched = i, t
-            out.quality = float(ev.label_score[rid, i])
-            out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, spec.max_tokens)
-            held_on = parked.pop(rid, None)
+            out.quality = float(self.ev.label_score[rid, i])
+            out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, self.spec.max_tokens)
+            held_on = self.parked.pop(rid, None)
             if held_on == i:  # its KV cache waits in i's host memory: it resumes
                 seq = engines[i].swap_in(rid, t)
             else:
                 if held_on is not None:
-                    unpark(rid, held_on)
+                    self.unpark(rid, held_on)
                 seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
                                      output_tokens=label, now=t)
-            in_flight[rid] = sequences[rid] = (i, seq)
+            rep.in_flight[rid] = self.sequences[rid] = (i, seq)
 
-    def evict(t: float) -> None:
+    def evict(self, rep: Replica, t: float) -> None:
         """Requests the policy evicts: aborted on their engine (the work is lost), or swapped out to its host
         memory when the policy keeps their state; either way held again."""
-        for ticket in core.evictions(cfg, t):
+        for ticket in rep.core.evictions(self.cfg, t):
             rid = ticket.handle
-            i, seq = in_flight.pop(rid)
-            del sequences[rid]
-            first_heard.discard(rid)
-            out = outcomes[rid]
+            i, seq = rep.in_flight.pop(rid)
+            del self.sequences[rid]
+            rep.first_heard.discard(rid)
+            out = self.outcomes[rid]
             out.instance, out.evictions = -1, out.evictions + 1
-            if policy.keeps_state(ticket, i) and engines[i].swap_out(rid, t) is not None:
-                parked[rid] = i
+            if rep.policy.keeps_state(ticket, i) and self.engines[i].swap_out(rid, t) is not None:
+                self.parked[rid] = i
             else:
-                engines[i].abort(rid, t)
-                pay_prompt(rid, i)
-            core.requeue(ticket, t)
+                self.engines[i].abort(rid, t)
+                self.pay_prompt(rid, i)
+            rep.core.requeue(ticket, t)
 
-    # The live loop re-reads the window rule when a request arrives, when a batch
-    # has been dispatched, and when the window it sleeps on ends; not on scrapes.
-    # Held requests are asked again after every event (live: every completion and scrape).
-    next_arrival = 0
-    next_scrape = 0.0
-    busy_until = 0.0  # the scheduler's worker is computing a batch until then
-    pending: tuple[float, list[Ticket], list] | None = None  # a decided batch: (when it is dispatched, ...)
-    clock = 0.0
-    window = core.limit(cfg, 0.0)
-    evicting = policy.overrides("evict")
-    while True:
-        if core.held or evicting:
-            advance(clock)
-            sync(clock)
-            if evicting:
-                evict(clock)
-            dispatch(clock, core.release_held(clock))
-            if warming:
-                warm(clock)
-        t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
-        t_dispatch = pending[0] if pending is not None else math.inf
-        at = core.fire_at(window, clock) if pending is None else None
-        t_fire = math.inf if at is None else max(busy_until, at)
-        t_next = min(t_arrival, t_dispatch, t_fire)
-        if math.isinf(t_next) and not (core.held and in_flight):
-            break  # everything is on an instance (or held with nothing left to free room): the rest is decoding
-        if next_scrape <= t_next:
-            clock = next_scrape
-            advance(clock)
-            scrape(clock)
-            next_scrape += scrape_every
-            continue
-        clock = t_next
-        if clock == t_dispatch:
-            advance(clock)
-            if policy.overrides("hold"):
-                sync(clock)  # `hold` judges the pool as it is now
-            _, batch, decided = pending
-            dispatch(clock, core.settle(batch, decided, clock))
-            pending = None
-            window = core.limit(cfg, clock)
-        elif clock == t_arrival:
-            core.submit(tickets[next_arrival], clock)
-            next_arrival += 1
-            window = core.limit(cfg, clock)
-        else:
-            if window is not None:
-                window = core.limit(cfg, clock)
-                if not core.queue.ready(window, clock):
-                    continue  # the rule now asks for a longer window: sleep on
-            advance(clock)
-            sync(clock)
-            busy_until, batch, decided = fire(clock, window)
-            pending = (busy_until, batch, decided)
-    for ticket in list(core.held):  # held when nothing was left to free room: refused
-        outcomes[ticket.handle].finished = clock
-        core.withdraw(ticket, clock)
-        if ticket.handle in parked:
-            unpark(ticket.handle, parked.pop(ticket.handle))
-    for gpu in gpus:
-        gpu.advance(math.inf)
-    for rid, (_, seq) in sequences.items():
-        _record(outcomes[rid], seq)
-    return CellResult(spec, tuple(_costed(outcomes, prices_in, prices_out)), tuple(i.model for i in instances),
-                      tuple(batches), tuple(ranked_down), *_swaps(gpus))
+    # ---- the event loop ------------------------------------------------------------------------------
+    def run(self) -> CellResult:
+        """Every event in time order, one at a time. Each replica's live loop re-reads the window rule when a
+        request arrives, when a batch has been dispatched, and when the window it sleeps on ends; not on
+        scrapes. Held requests are asked again after every event (live: every completion and scrape). At
+        one instant: scrapes, then sync ticks, dispatches, the arrival, and batches firing; replicas in
+        order."""
+        cfg, replicas, times = self.cfg, self.replicas, self.times
+        next_arrival = 0
+        clock = 0.0
+        for rep in replicas:
+            rep.window = rep.core.limit(cfg, 0.0)
+        while True:
+            for rep in replicas:
+                if rep.core.held or self.evicting:
+                    self.advance(clock)
+                    self.sync(rep, clock)
+                    self.look(rep, clock)
+                    if self.evicting:
+                        self.evict(rep, clock)
+                    self.dispatch(rep, clock, rep.core.release_held(clock))
+                    if self.warming:
+                        self.warm(rep, clock)
+            t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
+            work = [(t_arrival, _ARRIVAL, replica_of(next_arrival, len(replicas)))]
+            for rep in replicas:
+                at = rep.core.fire_at(rep.window, clock) if rep.pending is None else None
+                work += [(rep.pending[0] if rep.pending is not None else math.inf, _DISPATCH, rep.index),
+                         (math.inf if at is None else max(rep.busy_until, at), _FIRE, rep.index)]
+            t_next, kind, k = min(work)
+            if math.isinf(t_next) and not self._waiting_for_room():
+                break  # everything is on an instance (or held with nothing left to free room): the rest is decoding
+            clocks = [(r.next_scrape, _SCRAPE, r.index) for r in replicas]
+            clocks += [(at, _TICK, j) for j, at in enumerate(self.shared.next_tick)]
+            when, what, j = min(clocks)
+            if when <= t_next:
+                clock, rep = when, replicas[j]
+                self.advance(clock)
+                if what == _SCRAPE:
+                    self.scrape(rep, clock)
+                    rep.next_scrape += self.scrape_every
+                else:
+                    self.tick(rep, clock)
+                continue
+            clock, rep = t_next, replicas[k]
+            if kind == _DISPATCH:
+                self.advance(clock)
+                if rep.policy.overrides("hold"):
+                    self.sync(rep, clock)  # `hold` judges the pool as it is now
+                self.look(rep, clock)
+                _, batch, decided = rep.pending
+                self.dispatch(rep, clock, rep.core.settle(batch, decided, clock))
+                rep.pending = None
+                rep.window = rep.core.limit(cfg, clock)
+            elif kind == _ARRIVAL:
+                rep.core.submit(self.tickets[next_arrival], clock)
+                next_arrival += 1
+                rep.window = rep.core.limit(cfg, clock)
+            else:
+                if rep.window is not None:
+                    rep.window = rep.core.limit(cfg, clock)
+                    if not rep.core.queue.ready(rep.window, clock):
+                        continue  # the rule now asks for a longer window: sleep on
+                self.advance(clock)
+                self.sync(rep, clock)
+                self.look(rep, clock)
+                rep.busy_until, batch, decided = self.fire(rep, clock, rep.window)
+                rep.pending = (rep.busy_until, batch, decided)
+        for rep in replicas:
+            for ticket in list(rep.core.held):  # held when nothing was left to free room: refused
+                self.outcomes[ticket.handle].finished = clock
+                rep.core.withdraw(ticket, clock)
+                if ticket.handle in self.parked:
+                    self.unpark(ticket.handle, self.parked.pop(ticket.handle))
+        for gpu in self.gpus:
+            gpu.advance(math.inf)
+        for rid, (_, seq) in self.sequences.items():
+            _record(self.outcomes[rid], seq)
+        ages = [a for a in self.ages if not math.isnan(a)]
+        return CellResult(self.spec, tuple(_costed(self.outcomes, self.prices_in, self.prices_out)),
+                          tuple(i.model for i in self.instances), tuple(self.batches), tuple(self.ranked_down),
+                          *_swaps(self.gpus), info_age_s=sum(ages) / len(ages) if ages else math.nan)
+
+    def _waiting_for_room(self) -> bool:
+        """Requests are held in a replica while some are still running on the instances (whose end may free
+        the room they wait for)."""
+        return (any(rep.core.held for rep in self.replicas)
+                and any(not seq.finished for rep in self.replicas for _, seq in rep.in_flight.values()))
+
+
+# Which event goes first at one instant (the lower); scrapes and sync ticks before the rest.
+_SCRAPE, _TICK, _DISPATCH, _ARRIVAL, _FIRE = range(5)
 
 
 def _swaps(gpus: list[SharedGpu]) -> tuple[float, float]:

@@ -87,13 +87,14 @@ def difference(a, b, statistic: Statistic = "mean", **kw) -> Interval:
     return differences({"figure": (a, statistic)}, {"figure": (b, statistic)}, **kw)["figure"]
 
 
-def differences(a: Figures, b: Figures, *, paired: bool = True, replicates: int = REPLICATES,
-                level: float = LEVEL, seed: int = 0) -> dict[str, Interval]:
+def differences(a: Figures, b: Figures, *, paired: bool = True, relative: bool = False,
+                replicates: int = REPLICATES, level: float = LEVEL, seed: int = 0) -> dict[str, Interval]:
     """Per figure, cell A's minus cell B's, with its interval.
 
     Paired (the default): A and B ran on the same seeds and prompts, and each
     replicate takes the same seeds and requests from both. Unpaired: each cell
-    is resampled on its own, as if the two had nothing in common.
+    is resampled on its own, as if the two had nothing in common. Relative:
+    A's over B's, minus 1 (each replicate's ratio, so the interval is the ratio's).
     """
     if a.keys() != b.keys():
         raise ValueError("both cells need the same figures")
@@ -103,6 +104,10 @@ def differences(a: Figures, b: Figures, *, paired: bool = True, replicates: int 
         raise ValueError(f"paired cells need the same seeds and requests, got {shape} and {_shape_of(prep_b)}")
     reps_a = _replicates(prep_a, shape, replicates, seed)
     reps_b = _replicates(prep_b, shape, replicates, seed if paired else seed + 1)
+    if relative:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return {name: _interval(prep_a[name].point / prep_b[name].point - 1, reps_a[name] / reps_b[name] - 1,
+                                    level) for name in a}
     return {name: _interval(prep_a[name].point - prep_b[name].point, reps_a[name] - reps_b[name], level)
             for name in a}
 

@@ -6,6 +6,7 @@ written as CSV and JSON with 95% intervals, and paired comparisons of chosen cel
     routebalance sim --sweep budget            # paper Table 8: budget-constrained mixes, filter on and off
     routebalance sim --sweep batching          # paper Fig. 4: LPT, adaptive windows, fixed batch sizes
     routebalance sim --sweep robustness        # tier loss, gamma-bursty and square-wave arrivals
+    routebalance sim --sweep staleness         # scale-out: replicas that see each other's dispatches late
 
 (gateway/sim/catalog.py names every sweep, these and the SLO-aware policies' own.)
 
@@ -44,6 +45,7 @@ from gateway.sim.metrics import (
     summarise,
     with_intervals,
 )
+from gateway.sim.replicas import sharing_mode
 from gateway.sim.simulator import CellSpec, run_cell, with_batching
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,8 @@ class Pair:
     a: dict
     b: dict
     figures: tuple[str, ...] = PAIRED  # what is compared (metrics.request_figures' names)
+    relative: bool = False  # A's figure over B's, minus 1, too (`<figure>_rel`, with its paired interval)
+    at: dict = field(default_factory=dict)  # columns written into the pair's row, e.g. where A sits on a plot
 
 
 # ---- the cells -------------------------------------------------------------------------------
@@ -291,6 +295,55 @@ def robustness_pairs(cells: Sequence[Cell]) -> list[Pair]:
                          {"system": "passthrough", "down": BIGGEST})]
 
 
+# ---- scale-out: replicas that share their accounting late (replicas.py) -------------------------------
+
+# (workload, req/s, share of long prompts): the paper's workload at two loads, and one whose long prompts
+# (3,000 prompt and 1,000 answer tokens, QLM's W_C) fill the instances' KV caches so that requests queue.
+STALENESS_LOADS = (("paper", 12.0, 0.0), ("paper", 24.0, 0.0), ("10% long prompts", 12.0, 0.1))
+STALENESS_REPLICAS = 3
+STALENESS_MS = (0, 100, 250, 500, 1000, 2000, 4000, 8000)  # from one replica's publication to the others' read
+SYNC_INTERVAL_S = 0.25  # [state].sync_interval_s's default
+STALENESS_REQUESTS = 1200  # per cell: the sweep's 165 runs in a few minutes on two cores
+ONE_REPLICA = "1 replica"
+STALENESS_PAIRED = ("quality", "e2e_mean", "e2e_p90")
+
+
+def staleness(n: int, loads: Sequence[tuple[str, float, float]] = STALENESS_LOADS,
+              replicas: int = STALENESS_REPLICAS, delays_ms: Sequence[float] = STALENESS_MS,
+              sync_s: float = SYNC_INTERVAL_S) -> list[Cell]:
+    """RouteBalance (uniform) on `replicas` replicas behind a round-robin balancer, each publishing its share of
+    the work every `sync_s` and reading the others' `delays_ms` late; against one replica (the reference),
+    instant sharing (one ledger, no delay) and none at all (each replica sees its own dispatches only)."""
+    cells = []
+    for workload, rate, long_share in loads:
+        def cell(label: str, r: int, sync: float, delay_ms: float | None, workload=workload, rate=rate,
+                 long_share=long_share) -> Cell:
+            spec = CellSpec("routebalance", RB_WEIGHTS["uniform"], ArrivalSpec(rate=rate), n, mega_share=long_share,
+                            replicas=r, sync_interval_s=sync, staleness_s=(delay_ms or 0) / 1000)
+            mode = sharing_mode(r, sync)
+            return Cell("routebalance", label, spec, tags={
+                "workload": workload, "replicas": r, "sharing": mode,
+                "sync_ms": {"periodic": 1000 * sync, "instant": 0.0}.get(mode), "staleness_ms": delay_ms})
+
+        cells.append(cell(ONE_REPLICA, 1, sync_s, None))
+        cells.append(cell(f"{replicas} replicas, instant", replicas, 0.0, 0.0))
+        cells += [cell(f"{replicas} replicas, {d:g} ms late", replicas, sync_s, float(d)) for d in delays_ms]
+        cells.append(cell(f"{replicas} replicas, not shared", replicas, float("inf"), None))
+    return cells
+
+
+def staleness_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    """Every multi-replica cell against one replica on the same load, relative changes too."""
+    pairs = []
+    for c in cells:
+        if c.spec.replicas > 1:
+            at = {"workload": c.tags["workload"], "rate": c.spec.arrivals.rate}
+            pairs.append(Pair(f"{c.label} vs one, {at['workload']} @{at['rate']:g}", {"label": c.label, **at},
+                              {"label": ONE_REPLICA, **at}, STALENESS_PAIRED, relative=True,
+                              at={k: c.tags[k] for k in ("workload", "sharing", "sync_ms", "staleness_ms")}))
+    return pairs
+
+
 # ---- what a sweep costs ------------------------------------------------------------------------
 
 # CPU seconds per simulated request of one run (3,534-request cells at 6 to 30 req/s, this 2-core machine).
@@ -382,6 +435,8 @@ def run_seed(task: tuple[Cell, int]) -> tuple[dict, RequestArrays]:
     row = {**_identity(cell), "seed": seed, **summarise(result.outcomes, result.models),
            "batch_mean": sum(result.batches) / max(len(result.batches), 1), "swaps": result.swaps,
            "swap_s": result.swap_s}
+    if cell.spec.replicas > 1:
+        row["info_age_s"] = result.info_age_s
     return row, RequestArrays.of(result.outcomes, result.models)
 
 
@@ -478,10 +533,13 @@ def _compare(pair: Pair, rows: list[dict], arrays: list[list[RequestArrays]]) ->
     if (ra["rate"], ra["arrivals"]) != (rb["rate"], rb["arrivals"]):
         raise ValueError(f"pair {pair.name!r} compares cells with different arrivals: requests do not pair")
     out = {"pair": pair.name, "rate": ra["rate"], "arrivals": ra["arrivals"], "seeds": ra["seeds"],
-           "a": f"{ra['system']} {ra['label']}", "b": f"{rb['system']} {rb['label']}"}
+           "a": f"{ra['system']} {ra['label']}", "b": f"{rb['system']} {rb['label']}", **pair.at}
     for name, diff in paired_differences(arrays[a], arrays[b], pair.figures).items():
         out |= {f"a_{name}": ra[name], f"b_{name}": rb[name], f"{name}_diff": diff.mean,
                 f"{name}_diff_lo": diff.lo, f"{name}_diff_hi": diff.hi}
+    if pair.relative:
+        for name, rel in paired_differences(arrays[a], arrays[b], pair.figures, relative=True).items():
+            out |= {f"{name}_rel": rel.mean, f"{name}_rel_lo": rel.lo, f"{name}_rel_hi": rel.hi}
     return out
 
 
