@@ -308,3 +308,10 @@ async def test_flushes_at_once_write_each_booking_once(server):
     assert not ledger.outbox
     await ledger.link.close()
     assert await booked(server, key) == (pytest.approx(0.2), 20)
+
+
+async def test_a_burst_wider_than_the_connection_pool_waits_for_connections(server):
+    ledger = replica(server, timeout_s=2.0)
+    held = await asyncio.gather(*(ledger.acquire(limited(1000.0), 0.1, NOW) for _ in range(300)))
+    assert all(r is not None for r in held)  # none failed for want of one of the 64 connections
+    await ledger.link.close()

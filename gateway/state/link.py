@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Awaitable
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 log = logging.getLogger("routebalance.state")
@@ -24,10 +26,16 @@ class StateUnavailable(Exception):
 
 class RedisLink:
     def __init__(self, url: str, prefix: str, timeout_s: float):
-        # The client's own timeouts bound connecting and each socket read; `call` bounds the whole call
-        # (a reconnect included). No retries inside the client: the callers decide what a failure means.
-        self.client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                        health_check_interval=30, max_connections=64)
+        # The client's own timeouts bound connecting and each socket read; `call` bounds the whole call.
+        # A dropped connection (Redis restarted) is retried at once on a new one, a few times within the
+        # timeout: every script is safe to run twice (a hold or a share is named, a settlement marked).
+        # At most 64 connections; a call that finds them all busy waits for one (within the timeout)
+        # rather than failing at once, as the default pool would under a burst.
+        retry = Retry(ExponentialBackoff(cap=timeout_s / 4, base=0.005), retries=3)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=64, timeout=timeout_s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            health_check_interval=30, retry=retry)
+        self.client = aioredis.Redis(connection_pool=pool)
         self.url = url
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -58,4 +66,4 @@ class RedisLink:
                       self.url, what, e.__class__.__name__, e)
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.client.aclose(close_connection_pool=True)
