@@ -189,8 +189,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run_n(n: int, args, work: Path, pool_text: str, redis_url: str, wrk: str, haproxy: str) -> dict:
-    logs = work / f"n{n}"
-    logs.mkdir()
+    logs = Path(tempfile.mkdtemp(prefix=f"n{n}-", dir=work))  # one per run: rounds repeat every N
     prefix = f"replicas-{n}-{os.urandom(4).hex()}:"
     ports = [free_port() for _ in range(n)]
     configs = [replica_config(logs, pool_text, k, p, redis_url, prefix, args.limit_usd) for k, p in enumerate(ports)]

@@ -315,3 +315,27 @@ async def test_a_burst_wider_than_the_connection_pool_waits_for_connections(serv
     held = await asyncio.gather(*(ledger.acquire(limited(1000.0), 0.1, NOW) for _ in range(300)))
     assert all(r is not None for r in held)  # none failed for want of one of the 64 connections
     await ledger.link.close()
+
+
+async def test_without_redis_a_replica_keeps_its_last_read_for_a_while_then_its_own_view(server, tmp_path,
+                                                                                        monkeypatch):
+    from gateway.scheduling.ledger import PoolLedger
+    from gateway.state import sync as sync_module
+
+    monkeypatch.setattr(sync_module, "KEEP_LAST_READ_S", 0.3)
+    store = ConfigStore(stub_config(tmp_path, [Stub()]))
+    a, b = PoolLedger(), PoolLedger()
+    syncs = [ReplicaSync(RedisLink(server.url, "test:", 0.3), ledger, store) for ledger in (a, b)]
+    a.of("stub-0").dispatched("r1", 10, 5.0, asyncio.get_running_loop().time())
+    for sync in syncs:
+        await sync.sync()
+    await syncs[1].sync()
+    assert b.of("stub-0").others == Share(1, 10, 5.0)
+    server.stop()
+    await syncs[1].sync()
+    assert b.of("stub-0").others == Share(1, 10, 5.0) and not syncs[1].link.reachable
+    await asyncio.sleep(0.35)
+    await syncs[1].sync()
+    assert b.of("stub-0").others == Share()
+    for sync in syncs:
+        await sync.link.close()
