@@ -108,7 +108,7 @@ async def test_a_dead_replicas_holds_expire(server):
 
 async def test_without_redis_limits_are_refused_or_checked_locally_and_bookings_wait(server):
     key = limited(1.0)
-    refusing, local = replica(server, timeout_s=0.3), replica(server, "local", timeout_s=0.3)
+    refusing, local = replica(server, timeout_s=2.0), replica(server, "local", timeout_s=2.0)
     first = await local.acquire(key, 0.3, NOW)
     local.settle(first, 0.3)
     await local.flush()
@@ -146,7 +146,7 @@ async def test_without_redis_limits_are_refused_or_checked_locally_and_bookings_
 
 
 async def test_a_full_outbox_refuses_keyed_requests(server):
-    ledger = RedisSpendLedger(RedisLink(server.url, "test:", 0.3), "local", 60.0, max_unwritten=2)
+    ledger = RedisSpendLedger(RedisLink(server.url, "test:", 2.0), "local", 60.0, max_unwritten=2)
     server.stop()
     key = limited(None, "free")
     for _ in range(2):
@@ -200,7 +200,7 @@ def replica_configs(tmp_path, stubs, server, limit, **state):
         (tmp_path / f"r{n}").mkdir()
         paths.append(stub_config(tmp_path / f"r{n}", stubs, auth={"keys": keys},
                                  state={"backend": "redis", "url": server.url, "prefix": "test:",
-                                        "sync_interval_s": 0.05, "timeout_s": 0.3, **state}))
+                                        "sync_interval_s": 0.05, "timeout_s": 2.0, **state}))
     return paths
 
 
@@ -325,7 +325,7 @@ async def test_without_redis_a_replica_keeps_its_last_read_for_a_while_then_its_
     monkeypatch.setattr(sync_module, "KEEP_LAST_READ_S", 0.3)
     store = ConfigStore(stub_config(tmp_path, [Stub()]))
     a, b = PoolLedger(), PoolLedger()
-    syncs = [ReplicaSync(RedisLink(server.url, "test:", 0.3), ledger, store) for ledger in (a, b)]
+    syncs = [ReplicaSync(RedisLink(server.url, "test:", 2.0), ledger, store) for ledger in (a, b)]
     a.of("stub-0").dispatched("r1", 10, 5.0, asyncio.get_running_loop().time())
     for sync in syncs:
         await sync.sync()
@@ -339,3 +339,19 @@ async def test_without_redis_a_replica_keeps_its_last_read_for_a_while_then_its_
     assert b.of("stub-0").others == Share()
     for sync in syncs:
         await sync.link.close()
+
+
+async def test_a_hold_whose_request_left_while_it_was_taken_is_freed(server):
+    ledger = replica(server)
+    key = limited(1.0)
+    taking = asyncio.ensure_future(ledger.acquire(key, 1.0, NOW))
+    await asyncio.sleep(0)  # the script is on its way
+    taking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await taking
+    await asyncio.sleep(0.2)  # the script's answer arrives: its hold is released, not left for an hour
+    await ledger.flush()
+    other = replica(server)
+    assert await other.acquire(key, 1.0, NOW) is not None
+    for led in (ledger, other):
+        await led.link.close()

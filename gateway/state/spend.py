@@ -197,9 +197,15 @@ class RedisSpendLedger:
             return reservation
         name = f"{self.link.replica}:{reservation.id}"
         args = [name, repr(amount_usd), repr(limit), self.hold_ttl_ms, repr(REL_TOL)]
+        call = asyncio.ensure_future(self.link.call(
+            "reserving spend", self._reserve(keys=self._keys(key.name, period), args=args)))
         try:
-            granted, committed = await self.link.call(
-                "reserving spend", self._reserve(keys=self._keys(key.name, period), args=args))
+            granted, committed = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The request went away while its hold was being taken: once taken, it is freed at once
+            # rather than left to expire (holding the key's money for minutes).
+            call.add_done_callback(lambda done: self._abandoned(done, reservation))
+            raise
         except StateUnavailable as e:
             if self.on_unavailable == "refuse":
                 raise SpendStoreError(str(e)) from None
@@ -213,6 +219,14 @@ class RedisSpendLedger:
             return None
         self._open[reservation.id] = True
         return reservation
+
+    def _abandoned(self, done: asyncio.Future, reservation: Reservation) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        granted, _ = done.result()
+        if int(granted):
+            self._open[reservation.id] = True
+            self.release(reservation)
 
     def settle(self, reservation: Reservation, cost_usd: float) -> None:
         """Book the real cost and free the hold (written by the writer task; once, however often called)."""
