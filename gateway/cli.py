@@ -67,12 +67,13 @@ def workload_lengths(cfg):
     is answered at its labelled length for the model that serves it."""
     from gateway.emulator.outputs import OutputLengths
     from gateway.engine.profiles import arch_for
-    from gateway.sim.evalset import EVAL_PROMPTS, label_lengths
+    from gateway.sim.evalset import EVAL_PROMPTS, label_kinds, label_lengths
     from gateway.workload.synthetic import generate
 
     records = generate(cfg.estimators.train_records + EVAL_PROMPTS, seed=cfg.estimators.seed)
     means = {i.model: arch_for(i.model).mean_output_tokens for i in cfg.instances}
-    return OutputLengths(means, labels=label_lengths(records), seed=cfg.emulator.seed)
+    # Kinds too: a mixture-of-experts instance routes a known prompt's tokens to its kind's experts.
+    return OutputLengths(means, labels=label_lengths(records), seed=cfg.emulator.seed, kinds=label_kinds(records))
 
 
 async def start_emulator(store: ConfigStore):
@@ -168,7 +169,7 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--sweep",
                    help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, "
-                        "qlm, qlm_cap, qlm_multi, qos, staleness")
+                        "qlm, qlm_cap, qlm_multi, qos, staleness, eldr")
     p.add_argument("--requests", type=int,
                    help="held-out prompts per cell (default 2500, the staleness sweep 1200; the paper's held-out set "
                         "is 3534; 2500 keeps the five sweeps at five seeds near 27 minutes on two cores, 3534 near 36)")
@@ -197,6 +198,14 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--tail", type=float,
                    help="one cell: QLM's multi-model W_A, four GPUs time-sharing five models; the three tail "
                         "models take this share of the requests (0..1)")
+    p.add_argument("--pool",
+                   help="one cell: a pool made for an experiment instead of the config's instances: moe (ELDR's "
+                        "eight mixture-of-experts instances, gateway/examples/moe.toml), moe-shift (the same, half "
+                        "the traffic one kind), W_A, or a config .toml whose instances to use")
+    p.add_argument("--compare", default="",
+                   help="one cell: also run these policies (comma-separated; `balancers`: round robin, shortest "
+                        "queue and power of two choices) on the same prompts and arrivals, and print a table with "
+                        "paired differences against --policy (TPOT, E2E)")
     p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
     p.add_argument("--replicas", type=int, default=1,
                    help="one cell: gateway replicas behind a round-robin balancer, sharing their in-flight work")
@@ -214,10 +223,14 @@ def add_offline_commands(sub) -> None:
 
     p = sub.add_parser("train-policy", help="train a learned routing policy in the simulator and export it "
                                             "(qos-rl: soft actor-critic -> ONNX; needs the [train] extra)")
-    p.add_argument("policy", choices=("qos-rl",), help="the policy to train")
+    p.add_argument("policy", choices=("qos-rl", "eldr"),
+                   help="the policy to train (eldr: fit its balanced k-means centroids, one per instance of each "
+                        "model of the config, into <models_dir>/eldr/, and report them)")
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--out", type=Path, default=Path("models/qos_rl"), help="where actor.onnx and its files go")
-    p.add_argument("--seed", type=int, default=0, help="seed of the networks, the episodes and the replay")
+    p.add_argument("--seed", type=int,
+                   help="qos-rl: seed of the networks, the episodes and the replay (default 0); eldr: of the k-means "
+                        "and its calibration sample (default: [policies.eldr].seed)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="wall-clock seconds of collecting and learning (evaluation and export come on top)")
     p.add_argument("--gain", choices=("eq16", "credited"), default="credited",
@@ -263,6 +276,10 @@ def cmd_train(args) -> int:
 def cmd_train_policy(args) -> int:
     from gateway.config import load_config
 
+    if args.policy == "eldr":
+        return _fit_eldr(load_config(args.config), args.seed)
+    if args.seed is None:
+        args.seed = 0
     try:
         from gateway.sim.qos_rl_train import TrainSettings, main
     except ImportError as e:
@@ -278,6 +295,21 @@ def cmd_train_policy(args) -> int:
           f"evaluation QoS {m['start_eval_qos']:.4f} -> {m['best_eval_qos']:.4f} (episode {m['best_episode']}; "
           f"the qos heuristic: {m['heuristic_eval_qos']:.4f})")
     print(f"actor in {result.out_dir}/actor.onnx, learning curve in {result.out_dir}/learning_curve.csv")
+    return 0
+
+
+def _fit_eldr(config, seed: int | None) -> int:
+    """ELDR's centroids for the config's pool, fitted (or found) under its models_dir, and reported."""
+    from gateway.estimators import ArtefactError
+    from gateway.estimators.bundle import Estimators
+    from gateway.estimators.centroids import fit_for_config, format_report
+
+    try:  # loaded, not built: fitting centroids must not refit the TPOT heads of a config's new tiers
+        estimators = Estimators.load(config)
+    except ArtefactError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(fit_for_config(config, estimators, seed=seed)))
     return 0
 
 
@@ -328,11 +360,17 @@ def cmd_sim(args) -> int:
     from gateway.sim.simulator import CellSpec
 
     models, tags = (), {}
+    if args.pool:
+        from gateway.sim.pools import named
+
+        named(args.pool)  # an unknown pool is refused before anything runs
+        tags = {"pool": args.pool}
     if args.tail is not None:
         from gateway.sim.slo_sweeps import w_a_mix
 
-        if not 0 <= args.tail <= 1 or args.model:
-            raise ValueError("--tail is a share in 0..1, and W_A's requests name their own models (no --model)")
+        if not 0 <= args.tail <= 1 or args.model or args.pool not in (None, "W_A"):
+            raise ValueError("--tail is a share in 0..1, and W_A's requests name their own models (no --model, "
+                             "no other --pool)")
         models, tags = w_a_mix(args.tail), {"pool": "W_A"}
     cfg = load_config(args.config)
     w = cfg.weights(args.preset)
@@ -349,9 +387,42 @@ def cmd_sim(args) -> int:
         tags |= {"replicas": args.replicas, "sharing": sharing_mode(args.replicas, sync_s),
                  "sync_ms": 1000 * sync_s, "staleness_ms": args.staleness_ms}
     seeds = [args.seed] if args.seeds is None else list(range(args.seeds))
+    if args.compare:
+        return _sim_compare(args, spec, tags, seeds)
     result = run_seeded([Cell(args.policy, args.preset, spec, tags=tags)], str(args.config), args.requests,
                         seeds=seeds, workers=min(args.workers, len(seeds)), workload=args.workload)
     print(orjson.dumps(result.rows[0], option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+    return 0
+
+
+BALANCERS = ("passthrough+round_robin", "passthrough+shortest_queue", "passthrough+power_of_two")
+COMPARED = ("decode_tpot_p50", "decode_tpot_p99", "e2e_mean")  # what --compare's pairs report, relative too
+
+
+def _sim_compare(args, spec, tags: dict, seeds: list[int]) -> int:
+    """One cell under --policy and under each --compare policy (same prompts, arrivals and seeds): the rows,
+    and --policy against each other, request by request (paired 95% intervals)."""
+    import dataclasses
+
+    from gateway.scheduling.policies import registry
+    from gateway.sim.sweeps import Cell, Pair, run_seeded
+
+    others = [p for name in args.compare.split(",") if name.strip()
+              for p in (BALANCERS if name.strip() == "balancers" else (name.strip(),))]
+    for name in others:
+        registry.entry(name)  # ValueError naming the known ones
+    policies = list(dict.fromkeys([args.policy, *others]))
+    cells = [Cell(p.split("+")[0] if "+" in p else p, p, dataclasses.replace(spec, policy=p), tags=tags)
+             for p in policies]
+    pairs = [Pair(f"{args.policy} vs {p}", {"policy": args.policy}, {"policy": p}, COMPARED, relative=True)
+             for p in policies[1:]]
+    result = run_seeded(cells, str(args.config), args.requests, seeds=seeds, workers=min(args.workers, len(seeds)),
+                        workload=args.workload, pairs=pairs)
+    print(format_rows(result.rows, latency=True))
+    if result.pairs:
+        print(format_pairs(result.pairs))
+    print(f"{len(seeds)} seed(s) of {args.requests} requests at {args.rate:g} req/s"
+          + (f" on pool {args.pool}" if args.pool else "") + "; ± half the 95% interval")
     return 0
 
 
@@ -387,11 +458,13 @@ def _sim_sweep(args) -> int:
     return 0
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], latency: bool = False) -> str:
     """A compact text table of a sweep's main figures (± half the 95% interval where there is one).
-    The SLO columns appear when some row's requests carry that SLO (the figure is not NaN)."""
+    The SLO columns appear when some row's requests carry that SLO (the figure is not NaN), the decode TPOT
+    ones on a mixture-of-experts pool or with `latency`."""
     extra = [(name, title, fmt, width) for name, title, fmt, width, gate in SLO_COLUMNS
-             if any(gate in r and r[gate] == r[gate] for r in rows)]
+             if any(gate in r and r[gate] == r[gate] for r in rows)
+             or (latency and name.startswith("decode_tpot") and name in rows[0])]
     head = (f"{'system':<12} {'label':<50} {'req/s':>5} {'quality':>15} {'E2E':>14} {'p99':>7} {'thru':>6} "
             f"{'cost':>9} {'refused':>7} {'resid':>6}" + "".join(f" {title:>{w}}" for _, title, _, w in extra))
     lines = [head]
@@ -399,13 +472,14 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['system']:<12} {_named(r, rows)[:50]:<50} {r['rate']:>5g} {_pm(r, 'quality', '.4f'):>15} "
                      f"{_pm(r, 'e2e_mean', '.2f') + 's':>14} {r['e2e_p99']:>6.1f}s {r['throughput']:>6.2f} "
                      f"{r['cost_mean']:>9.2e} {r.get('refused', 0.0):>7.1%} {1000 * r['residual_mean']:>4.0f}ms"
-                     + "".join(f" {_pm(r, name, fmt):>{w}}" for name, _, fmt, w in extra))
+                     + "".join(f" {_pm(r, name, fmt) if name in r else '':>{w}}" for name, _, fmt, w in extra))
     return "\n".join(lines)
 
 
 # Cell tags that tell apart cells of one label (the SLO sweeps' workloads, the QoS sweep's pool size N and
 # bound L, W_A's tail share, the arrival process).
-TELLING_TAGS = (("workload", ""), ("n", "N="), ("tpot_slo_ms", "L="), ("tail", "tail "), ("arrivals", ""))
+TELLING_TAGS = (("workload", ""), ("n", "N="), ("tpot_slo_ms", "L="), ("tail", "tail "), ("pool", ""),
+                ("tau", "tau="), ("arrivals", ""))
 
 
 def _named(row: dict, rows: list[dict]) -> str:
@@ -417,10 +491,14 @@ def _named(row: dict, rows: list[dict]) -> str:
 
 
 # (figure, column title, format, width, gate): format_rows shows the column when some row's gate figure
-# is a number, i.e. its requests carry that SLO (end to end: slo_attainment; time per token: qos), or its
-# pool has GPUs shared by several models (swaps)
+# is a number, i.e. its requests carry that SLO (end to end: slo_attainment; time per token: qos), its
+# pool has GPUs shared by several models (swaps), or mixture-of-experts instances (experts_per_step: the
+# decode TPOT, first token to last, and the experts a step loads)
 SLO_COLUMNS = (("slo_attainment", "SLO met", ".3f", 13, "slo_attainment"), ("qos", "QoS", ".4f", 15, "qos"),
-               ("tpot_mean", "TPOT (s)", ".4f", 15, "qos"), ("swaps", "swaps", ".0f", 6, "swaps"))
+               ("tpot_mean", "TPOT (s)", ".4f", 15, "qos"), ("swaps", "swaps", ".0f", 6, "swaps"),
+               ("decode_tpot_p50", "TPOT p50 (s)", ".4f", 15, "experts_per_step"),
+               ("decode_tpot_p99", "TPOT p99 (s)", ".4f", 15, "experts_per_step"),
+               ("experts_per_step", "experts", ".1f", 7, "experts_per_step"))
 
 
 def format_pairs(pairs: list[dict]) -> str:
@@ -429,7 +507,9 @@ def format_pairs(pairs: list[dict]) -> str:
     columns = [("quality_diff", "quality", "+.4f"), ("e2e_mean_diff", "mean E2E (s)", "+.2f"),
                ("slo_attainment_diff", "SLO attainment", "+.3f"), ("qos_diff", "QoS", "+.4f"),
                ("quality_rel", "quality, relative", "+.1%"), ("e2e_mean_rel", "mean E2E, relative", "+.1%"),
-               ("e2e_p90_rel", "p90 E2E, relative", "+.1%")]
+               ("e2e_p90_rel", "p90 E2E, relative", "+.1%"),
+               ("decode_tpot_p50_rel", "median TPOT, relative", "+.1%"),
+               ("decode_tpot_p99_rel", "p99 TPOT, relative", "+.1%")]
     shown = [c for c in columns if any(c[0] in p for p in pairs)]
     lines = [f"{'A - B':<58} " + " ".join(f"{title:>27}" for _, title, _ in shown)]
     for p in pairs:

@@ -41,6 +41,7 @@ __all__ = [
     "Faults",
     "Health",
     "Instance",
+    "Moe",
     "Scheduler",
     "Slo",
     "Server",
@@ -365,6 +366,33 @@ class Faults(Section):
     down: bool = False
 
 
+@section
+class Moe(Section):
+    """[instances.moe]: the instance serves a mixture-of-experts model. Emulator and simulator only (a real
+    vLLM ignores it): a decode step's MoE layers cost grows with the union of experts its batch activates,
+    and requests of one domain (the prompt's kind) share experts (gateway/engine/moe.py)."""
+
+    experts: int = option(128, ge=1)  # routed experts per MoE layer
+    experts_per_token: int = option(8, ge=1)  # top-k
+    layers: int = option(48, ge=1)  # MoE layers
+    # How peaked each domain's preferred experts are (a softmax temperature's inverse; 0: every domain
+    # routes uniformly, no locality). 1.3 makes a same-domain batch of 8-32 load 19-20% fewer experts
+    # than a mixed one (the paper's 17-21%).
+    concentration: float = option(1.3, ge=0)
+    shared: float = option(0.3, ge=0, le=1)  # share of the expert preference all domains have in common
+    moe_share: float = option(0.6, gt=0)  # of a lone decode step, the time in the MoE layers (< 1)
+    # MoE-layer time that does not grow with the experts loaded, in experts' worth (the paper's Fig. 2:
+    # 16 -> 128 active experts is 4.7x the MoE-layer latency, so about 14)
+    fixed_experts: float = option(14.0, ge=0)
+    seed: int = 0  # of the domains' expert preferences
+
+    def _validate(self) -> None:
+        if self.experts_per_token > self.experts:
+            raise ConfigError(f"must be <= experts ({self.experts})", "experts_per_token")
+        if self.moe_share >= 1:
+            raise ConfigError(f"must be < 1 (the dense part keeps the rest), got {self.moe_share}", "moe_share")
+
+
 _GPU_MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*GB?$", re.IGNORECASE)
 
 
@@ -390,6 +418,7 @@ class Instance(Section):
     # Instances naming the same gpu_id time-share one GPU, one model loaded at a time (simulated only).
     gpu_id: str | None = option(None, nonempty=True)
     faults: Faults = Faults()
+    moe: Moe | None = None  # [instances.moe]: a mixture-of-experts model (emulated and simulated instances)
 
     def _validate(self) -> None:
         parts = urlsplit(self.url)

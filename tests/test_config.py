@@ -89,7 +89,7 @@ def test_default_file_spells_out_the_code_defaults():
     for section in ("server", "upstream", "scheduler", "batching", "telemetry", "emulator"):
         assert getattr(written, section) == getattr(implied, section), section
     assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route", "qlm", "edf", "qos",
-                                     "qos_rl"}
+                                     "qos_rl", "eldr"}
     for table in written.policies:
         assert written.options(table) == implied.options(table), table
 

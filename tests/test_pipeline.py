@@ -112,7 +112,8 @@ def picks(decisions) -> list[int]:
 
 def test_every_router_comes_with_every_dispatcher():
     routers = {"passthrough", "avengers", "best_route"}
-    assert set(PIPELINES) == {f"{r}+{d}" for r in routers for d in ("round_robin", "shortest_queue", "random")}
+    assert set(PIPELINES) == {f"{r}+{d}" for r in routers
+                              for d in ("round_robin", "shortest_queue", "random", "power_of_two")}
 
 
 @pytest.mark.parametrize("name", PIPELINES)

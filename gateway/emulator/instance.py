@@ -43,9 +43,10 @@ class EmulatedInstance:
         return self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate
 
     def submit(self, rid: str, *, prompt_tokens: int, max_tokens: int, output_tokens: int,
-               now: float) -> tuple[Sequence, asyncio.Event]:
+               now: float, domain: str | None = None) -> tuple[Sequence, asyncio.Event]:
+        """Queue a request on the engine; `domain` (the prompt's kind) picks its experts on an MoE instance."""
         seq = self.engine.add(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
-                              now=now)
+                              now=now, domain=domain)
         wake = asyncio.Event()
         self._wakeups[rid] = wake
         return seq, wake

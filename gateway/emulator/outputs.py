@@ -3,7 +3,9 @@
 Lengths are deterministic per (prompt, model): from workload labels when the
 prompt is known, otherwise drawn from the model's length distribution with a
 generator seeded by the prompt, so the same request always gets the same
-answer length (as with greedy decoding).
+answer length (as with greedy decoding). A known prompt's kind (its domain:
+code, math, ...) is what a mixture-of-experts instance routes its tokens by;
+an unknown prompt has none (it routes uniformly).
 """
 
 from __future__ import annotations
@@ -32,10 +34,16 @@ class OutputLengths:
         mean_tokens: Mapping[str, float],
         labels: Mapping[str, Mapping[str, int]] | None = None,
         seed: int = 0,
+        kinds: Mapping[str, str] | None = None,
     ):
         self.mean_tokens = dict(mean_tokens)
         self.labels = labels or {}
         self.seed = seed
+        self.kinds = kinds or {}  # prompt key -> the workload's kind of the prompt
+
+    def kind_of(self, text: str) -> str | None:
+        """The prompt's kind when it is a workload prompt, else None."""
+        return self.kinds.get(prompt_key(text)) if self.kinds else None
 
     def for_prompt(self, text: str, model: str) -> int:
         key = prompt_key(text)

@@ -108,7 +108,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     # ignore_eos (a vLLM extension) makes the answer run to max_tokens: profiling uses it.
     output_tokens = max_tokens if body.get("ignore_eos") is True else pool.lengths.for_prompt(text, inst.model)
     seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
-                            now=loop_now)
+                            now=loop_now, domain=pool.lengths.kind_of(text))
     pool.kick()
     text_seed = int(prompt_key(text)[:8], 16)
     created = int(time.time())

@@ -24,6 +24,14 @@ the simulator does: stock vLLM gives a gateway no such control): its KV
 cache goes to host memory (`host_kv_tokens` of room) and, when the request
 is swapped in and admitted again, comes back at the host link's speed
 instead of being recomputed, so it resumes where it stopped.
+
+A mixture-of-experts tier (`EngineSpec.moe`, engine/moe.py) splits the step
+into its dense part (the formula above, for the attention and the KV reads)
+and its MoE layers, whose time grows with the union of experts the step's
+tokens activate; each request brings its domain (the prompt's kind), and
+requests of one domain share experts:
+
+    step = tpot * ((1 - moe_share) * dense + moe_share * (fixed + union) / (fixed + k)) + prefill
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+from gateway.engine.moe import ExpertModel, MoeSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,8 @@ class EngineSpec:
     # token's KV cache between GPU and host memory, and how many tokens' worth host memory holds.
     kv_swap_s_per_token: float = 0.0
     host_kv_tokens: int = 0
+    # A mixture-of-experts tier: the MoE layers' step time grows with the union of experts (engine/moe.py).
+    moe: MoeSpec | None = None
 
 
 class Sequence:
@@ -56,11 +68,13 @@ class Sequence:
     __slots__ = (
         "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
         "generated", "computed", "first_scheduled", "first_token_time",
-        "finish_time", "finish_reason", "preemptions", "prefill_done_time", "in_host",
+        "finish_time", "finish_reason", "preemptions", "prefill_done_time", "in_host", "domain",
     )
 
-    def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float):
+    def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float,
+                 domain: int = ExpertModel.NEUTRAL):
         self.rid = rid
+        self.domain = domain  # its domain's index in the engine's ExpertModel (MoE tiers; NEUTRAL: unknown)
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         # The answer the model would give, cut by max_tokens: that cut is finish_reason "length".
@@ -102,6 +116,7 @@ class StepReport:
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    experts: float = 0.0  # MoE tiers: the steps' expected distinct experts per layer, summed over the steps
 
 
 @dataclass(slots=True)
@@ -112,6 +127,7 @@ class _Plan:
     work: list[tuple[Sequence, int]]  # (sequence, tokens it processes this step)
     decoding: int  # sequences processing exactly their last sampled token
     preempted: list[Sequence]
+    union: float = 0.0  # MoE tiers: expected distinct experts per layer the step loads
 
 
 class Engine:
@@ -127,6 +143,7 @@ class Engine:
         # Only requests that arrived by then are admitted: a GPU shared by several models serves them
         # first come first served, so the loaded one stops taking requests that came after another's.
         self.admit_until = math.inf
+        self.experts = ExpertModel(spec.moe) if spec.moe is not None else None
 
     # ---- queries ---------------------------------------------------------
     @property
@@ -172,7 +189,9 @@ class Engine:
         return plan.end if plan else None
 
     # ---- commands ----------------------------------------------------------
-    def add(self, rid, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float) -> Sequence:
+    def add(self, rid, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float,
+            domain: str | None = None) -> Sequence:
+        """Queue a request; `domain` (the prompt's kind, None if unknown) matters on MoE tiers only."""
         if rid in self._by_id:
             raise ValueError(f"duplicate request id {rid!r}")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -183,7 +202,8 @@ class Engine:
             )
         if not self.busy:
             self.clock = max(self.clock, now)
-        seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0))
+        index = self.experts.domain(domain) if self.experts is not None else ExpertModel.NEUTRAL
+        seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0), domain=index)
         self.waiting.append(seq)
         self._by_id[rid] = seq
         self._plan = None
@@ -319,11 +339,17 @@ class Engine:
         decoding = sum(1 for _, t in work if t == 1)
         kv_tokens = sum(s.computed for s, _ in work)
         prefill_tokens = sum(t for _, t in work if t > 1)
-        duration = spec.tpot_s * (
-            1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
-        ) + spec.prefill_s_per_token * prefill_tokens
+        union = 0.0
+        factor = 1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
+        if self.experts is not None:  # MoE: the dense part above, and the MoE layers by the experts loaded
+            tokens: dict[int, int] = {}
+            for s, t in work:
+                tokens[s.domain] = tokens.get(s.domain, 0) + t
+            union = self.experts.union(tokens)
+            factor = self.experts.step_factor(factor, union)
+        duration = spec.tpot_s * factor + spec.prefill_s_per_token * prefill_tokens
         duration += spec.kv_swap_s_per_token * sum(s.computed for s in admitted if s.in_host)  # copied back
-        return _Plan(start, start + duration, admitted, work, decoding, preempted)
+        return _Plan(start, start + duration, admitted, work, decoding, preempted, union)
 
     def _commit(self, plan: _Plan, report: StepReport, seen: set[int]) -> None:
         end = plan.end
@@ -365,5 +391,6 @@ class Engine:
         if plan.decoding:
             report.inter_token.append((end - plan.start, plan.decoding))
         report.steps += 1
+        report.experts += plan.union
         self.clock = self.last_step_end = end
         self._plan = None

@@ -10,10 +10,12 @@ calibrated so that the 13-instance pool behaves like the paper's testbed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from gateway.engine.engine import EngineSpec
+from gateway.engine.moe import MoeSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +36,18 @@ class ModelArch:
     # nearly rate-independent, as those two tiers take most of the load; the
     # 72B's 0.025 slows it under the quality preset.
     batch_slope: float
+    # Mixture of experts: the parameters one token reads (attention, shared layers and its top-k experts);
+    # None for a dense model (all of them). A decode step's KV reads are priced against these.
+    active_params_b: float | None = None
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def weight_bytes(self, dtype_bytes: int = 2) -> float:
         return self.params_b * 1e9 * dtype_bytes
+
+    def active_weight_bytes(self, dtype_bytes: int = 2) -> float:
+        return (self.active_params_b or self.params_b) * 1e9 * dtype_bytes
 
 
 # Architectures from the Qwen2.5 model cards (grouped-query attention).
@@ -49,6 +57,15 @@ QWEN25 = {
     "14b": ModelArch(14.7, 48, 8, 128, mean_output_tokens=90, batch_slope=0.03),
     "32b": ModelArch(32.5, 64, 8, 128, mean_output_tokens=90, batch_slope=0.026),
     "72b": ModelArch(72.7, 80, 8, 128, mean_output_tokens=195, batch_slope=0.025),
+}
+
+# Mixture-of-experts architectures from the Qwen3 model cards (128 routed experts, 8 per token; the
+# expert routing itself is [instances.moe]'s, engine/moe.py). Qwen3-30B-A3B: 48 layers, 4 KV heads,
+# 30.5B parameters of which 3.3B are read per token. Answer length: no labels exist for these models;
+# the 72B's mean stands in (the MoE example pool answers with the 72B's labels, sim/pools.py).
+QWEN3_MOE = {
+    "30b-a3b": ModelArch(30.5, 48, 4, 128, mean_output_tokens=195, batch_slope=0.01, active_params_b=3.3),
+    "235b-a22b": ModelArch(235.0, 94, 4, 128, mean_output_tokens=195, batch_slope=0.01, active_params_b=22.0),
 }
 
 # Dense half-precision tensor throughput per GPU, TFLOP/s (data sheets).
@@ -66,6 +83,9 @@ SWAP_SPACE_GB = 4.0  # host memory for swapped-out KV caches per GPU (vLLM's --s
 def arch_for(model: str) -> ModelArch:
     """Pick the architecture from a served model name such as 'Qwen/Qwen2.5-7B-Instruct'."""
     name = model.lower()
+    for shape, arch in QWEN3_MOE.items():
+        if shape in name:
+            return arch
     for size in sorted(QWEN25, key=len, reverse=True):
         if f"-{size}" in name or f"{size}-" in name:
             return QWEN25[size]
@@ -91,18 +111,19 @@ def engine_spec(
     max_model_len: int,
     block_size: int = 16,
     max_num_batched_tokens: int = 2048,
+    moe: MoeSpec | None = None,
 ) -> EngineSpec:
     """Derive an engine's performance model from what config.toml says about an instance."""
     arch = arch_for(model)
     kv_budget = gpu_count * (gpu_memory_gb * gpu_memory_utilization - NON_KV_OVERHEAD_GB) - arch.weight_bytes() / 1e9
     kv_tokens = max(kv_budget, 0.5) * 1e9 / arch.kv_bytes_per_token()
     num_blocks = max(int(kv_tokens // block_size), math.ceil(max_model_len / block_size))
-    flops_per_token = 2 * arch.params_b * 1e9
+    flops_per_token = 2 * (arch.active_params_b or arch.params_b) * 1e9
     prefill_s = flops_per_token / (gpu_count * gpu_tflops(gpu) * 1e12 * PREFILL_EFFICIENCY)
     return EngineSpec(
         tpot_s=tpot_prior_ms / 1000.0,
         batch_slope=arch.batch_slope,
-        kv_read_per_token=arch.kv_bytes_per_token() / arch.weight_bytes(),
+        kv_read_per_token=arch.kv_bytes_per_token() / arch.active_weight_bytes(),
         prefill_s_per_token=prefill_s,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -111,7 +132,15 @@ def engine_spec(
         num_gpu_blocks=num_blocks,
         kv_swap_s_per_token=arch.kv_bytes_per_token() / (gpu_count * HOST_TO_GPU_GBPS * 1e9),
         host_kv_tokens=int(gpu_count * SWAP_SPACE_GB * 1e9 // arch.kv_bytes_per_token()),
+        moe=moe,
     )
+
+
+def moe_spec(moe) -> MoeSpec | None:
+    """The engine's MoeSpec of an instance's `[instances.moe]` table (None: a dense model)."""
+    if moe is None:
+        return None
+    return MoeSpec(**{f.name: getattr(moe, f.name) for f in dataclasses.fields(MoeSpec)})
 
 
 def load_seconds(model: str, gpu_count: int = 1) -> tuple[float, float]:
@@ -129,4 +158,5 @@ def spec_for_instance(inst) -> EngineSpec:
                          f"from gpu {inst.gpu!r})")
     return engine_spec(model=inst.model, gpu=inst.gpu, gpu_count=inst.gpu_count, gpu_memory_gb=inst.gpu_memory_gb,
                        gpu_memory_utilization=inst.gpu_memory_utilization, tpot_prior_ms=inst.tpot_prior_ms,
-                       max_num_seqs=inst.max_num_seqs, max_model_len=inst.max_model_len)
+                       max_num_seqs=inst.max_num_seqs, max_model_len=inst.max_model_len,
+                       moe=moe_spec(getattr(inst, "moe", None)))

@@ -135,3 +135,4 @@ def _merge(into: StepReport, report: StepReport) -> None:
     into.generation_tokens += report.generation_tokens
     into.preemptions += report.preemptions
     into.steps += report.steps
+    into.experts += report.experts

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.estimators import centroids
 from gateway.estimators.build import ensure_built, read_manifest, verify
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
@@ -18,12 +19,15 @@ log = logging.getLogger(__name__)
 
 
 class Estimators:
-    def __init__(self, embedder: Embedder, knn: KnnEstimator, heads: LatencyHeads, manifest: dict):
+    def __init__(self, embedder: Embedder, knn: KnnEstimator, heads: LatencyHeads, manifest: dict,
+                 models_dir: Path | None = None):
         self.embedder = embedder
         self.knn = knn
         self.heads = heads
         self.manifest = manifest
+        self.models_dir = models_dir  # where fitted extras (ELDR's centroids) are kept; None: in memory only
         self._warned: list[str] = []
+        self._centroids: dict[tuple[int, int, int], np.ndarray] = {}
 
     @classmethod
     def built(cls, config) -> Estimators:
@@ -45,7 +49,7 @@ class Estimators:
         knn = KnnEstimator.load(models_dir, manifest["knn"])
         heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
                                   {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})
-        return cls(embedder, knn, heads, manifest)
+        return cls(embedder, knn, heads, manifest, models_dir)
 
     def estimate(self, prompts: list[str]) -> KnnEstimate:
         """Quality and length per pool model for a batch: one embed call, one FAISS search."""
@@ -69,6 +73,18 @@ class Estimators:
         quality = np.column_stack([est.quality[:, column[i.model]] if i.model in column else mean_q for i in instances])
         length = np.column_stack([est.length[:, column[i.model]] if i.model in column else mean_len for i in instances])
         return Estimates(quality, length, embeddings)
+
+    def eldr_centroids(self, k: int, calibration: int, seed: int) -> np.ndarray:
+        """(k, d) unit centroids of the training prompts' embeddings by balanced k-means (ELDR's, one per
+        instance): stored under models/eldr/ (fitted there first if missing or from another index)."""
+        key = (k, calibration, seed)
+        if key not in self._centroids:
+            index = self.knn.index
+            source = self.manifest.get("files", {}).get(self.manifest.get("knn", {}).get("index", ""), "")
+            fitted = centroids.load_or_fit(self.models_dir, lambda: index.reconstruct_n(0, index.ntotal), k,
+                                           calibration, seed, source)
+            self._centroids[key] = fitted.centroids
+        return self._centroids[key]
 
     @staticmethod
     def qos_actor(path: str | Path) -> QosActor:

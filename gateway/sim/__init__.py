@@ -6,6 +6,8 @@
 - replicas.py: several gateway replicas behind a balancer, sharing their in-flight work late;
 - metrics.py: a cell's figures from its outcomes (shared with the live check);
 - stats.py: bootstrap intervals over seeds and requests, and paired differences;
-- sweeps.py, plots.py: the named sweeps, their tables and pictures;
+- sweeps.py, plots.py: the named sweeps, their tables and pictures (catalog.py names them; slo_sweeps.py,
+  qos_eval.py and eldr_eval.py hold the other papers' sweeps);
+- pools.py: pools made for a cell (QLM's multi-model W_A, ELDR's mixture-of-experts pool);
 - calibrate.py: the paper's figures as targets, and how close the simulated world comes.
 """

@@ -27,6 +27,7 @@ import numpy as np
 from gateway.estimators.build import read_manifest
 from gateway.tokens import TokenCounter
 from gateway.workload import Record, read_jsonl, split
+from gateway.workload.records import UNKNOWN_KIND
 from gateway.workload.synthetic import generate
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class EvalSet:
     length: np.ndarray  # (n, I) KNN-predicted answer tokens
     embeddings: np.ndarray  # (n, d)
     cost: ComputeCost
+    kinds: tuple[str | None, ...] = ()  # each prompt's kind (its domain on a mixture-of-experts tier); () unknown
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -79,7 +81,18 @@ class EvalSet:
         if n > len(self):
             raise ValueError(f"the evaluation set holds {len(self)} prompts; asked for {n}")
         return EvalSet(self.prompts[:n], self.prompt_tokens[:n], self.label_score[:n], self.label_length[:n],
-                       self.quality[:n], self.length[:n], self.embeddings[:n], self.cost)
+                       self.quality[:n], self.length[:n], self.embeddings[:n], self.cost, self.kinds[:n])
+
+    def rows(self, idx) -> EvalSet:
+        """These prompts (row indices, repeats allowed), in this order."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return EvalSet(tuple(self.prompts[k] for k in idx), self.prompt_tokens[idx], self.label_score[idx],
+                       self.label_length[idx], self.quality[idx], self.length[idx], self.embeddings[idx], self.cost,
+                       tuple(self.kinds[k] for k in idx) if self.kinds else ())
+
+    def kind(self, r: int) -> str | None:
+        """Prompt r's kind, or None if the set does not know it."""
+        return self.kinds[r] if r < len(self.kinds) else None
 
 
 def evaluation_records(cfg, n: int, workload: str | None = None) -> list[Record]:
@@ -104,6 +117,18 @@ def label_lengths(records: list[Record]) -> dict[str, dict[str, int]]:
     from gateway.workload import prompt_key
 
     return {prompt_key(r.prompt): {m: lab.output_length for m, lab in r.models.items()} for r in records}
+
+
+def domain_of(record: Record) -> str | None:
+    """A record's domain on a mixture-of-experts tier: its kind, or None (uniform routing) if it has none."""
+    return None if record.kind == UNKNOWN_KIND else record.kind
+
+
+def label_kinds(records: list[Record]) -> dict[str, str]:
+    """prompt key -> the record's kind, for the emulator's mixture-of-experts instances (their domains)."""
+    from gateway.workload import prompt_key
+
+    return {prompt_key(r.prompt): r.kind for r in records if r.kind != UNKNOWN_KIND}
 
 
 def _cache_key(manifest: dict, cfg, records: list[Record] = ()) -> str:
@@ -152,8 +177,8 @@ def load_evalset(cfg, n: int, workload: str | None = None, estimators=None) -> E
         cost = measure_cost(bundle(), cfg, [r.prompt for r in records])
         cost_path.parent.mkdir(parents=True, exist_ok=True)
         cost_path.write_text(json.dumps(dataclasses.asdict(cost), indent=1))
-    return EvalSet(tuple(r.prompt for r in records), prompt_tokens, label_score, label_length,
-                   cached["quality"], cached["length"], cached["embeddings"], cost)
+    return EvalSet(tuple(r.prompt for r in records), prompt_tokens, label_score, label_length, cached["quality"],
+                   cached["length"], cached["embeddings"], cost, tuple(domain_of(r) for r in records))
 
 
 def _labels(records: list[Record], instances) -> tuple[np.ndarray, np.ndarray]:
@@ -244,6 +269,15 @@ def shared_pool(cfg, evalset: EvalSet, gpus: Sequence[str], models: Sequence[tup
                                                  gpu_id=g))
             columns.append(base[name])
     return dataclasses.replace(cfg, instances=tuple(instances)), _columns(evalset, columns)
+
+
+def answering_as(cfg, evalset: EvalSet, instances: Sequence, pool_model: str):
+    """(config, evaluation set) of a pool of other instances (a model without labels of its own, e.g. the
+    mixture-of-experts example) whose every instance answers as `pool_model` does: its labels and estimates."""
+    k = next((k for k, inst in enumerate(cfg.instances) if inst.model == pool_model), None)
+    if k is None:
+        raise ValueError(f"the pool answers as {pool_model!r}, which no instance of the config serves")
+    return dataclasses.replace(cfg, instances=tuple(instances)), _columns(evalset, [k] * len(instances))
 
 
 def _columns(evalset: EvalSet, columns: Sequence[int]) -> EvalSet:

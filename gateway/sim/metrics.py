@@ -35,6 +35,8 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
     - slo_attainment: share of the requests with an end-to-end SLO that were served within it
       (a refused one misses), and the same per SLO class (slo_by_class); NaN without SLOs;
     - tpot_mean: the QoS paper's time per output token (e2e over answer tokens), served requests;
+    - decode_tpot_mean / _p50 / _p99: time per output token while decoding (first token to last, over the
+      tokens after the first; vLLM's and ELDR's TPOT), over the served requests of two tokens or more;
     - qos: mean over every request of quality x [time per token <= its bound] (QoS paper Eq. 1;
       refused: 0); NaN when no request has a bound.
     """
@@ -66,6 +68,10 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
     row["slo_attainment"] = _nanmean(arrays.slo_ok)
     row["slo_by_class"] = {c: _nanmean(arrays.slo_ok[arrays.slo_class == k]) for k, c in enumerate(arrays.classes)}
     row["tpot_mean"] = _nanmean(arrays.tpot)
+    row["decode_tpot_mean"] = _nanmean(arrays.decode_tpot)
+    decoded = arrays.decode_tpot[~np.isnan(arrays.decode_tpot)]
+    row["decode_tpot_p50"] = _pct(decoded, 50)
+    row["decode_tpot_p99"] = _pct(decoded, 99)
     row["qos"] = _nanmean(arrays.qos)
     for p in PERCENTILES:
         row[f"e2e_p{p}"] = _pct(e2e, p)
@@ -92,7 +98,7 @@ def _pct(x: np.ndarray, p: float) -> float:
 # The figures reported with a 95% interval (`<name>_lo`, `<name>_hi`) when a cell runs on several seeds.
 # SLO figures get one only in cells whose requests carry SLOs.
 HEADLINE = ("quality", "e2e_mean", "e2e_p99", "ttft_mean", "cost_mean", "throughput", "budget_exhaustion", "refused",
-            "slo_attainment", "qos", "tpot_mean")
+            "slo_attainment", "qos", "tpot_mean", "decode_tpot_p50", "decode_tpot_p99")
 PAIRED = ("quality", "e2e_mean")  # the figures a paired comparison of two cells reports
 
 
@@ -116,6 +122,7 @@ class RequestArrays:
     classes: tuple[str, ...]  # the SLO classes of the run, in order of first appearance
     tpot: np.ndarray  # s per answer token, arrival to last token (NaN if refused)
     qos: np.ndarray  # quality x [tpot <= its bound] (0 if refused), NaN without a bound
+    decode_tpot: np.ndarray  # s per answer token after the first, first token to last (NaN: refused, < 2 tokens)
 
     @classmethod
     def of(cls, outcomes: Sequence, models: Sequence[str]) -> RequestArrays:
@@ -131,6 +138,10 @@ class RequestArrays:
         slo = np.array([np.nan if o.slo_s is None else o.slo_s for o in outcomes], dtype=float)
         bound = np.array([np.nan if o.tpot_slo_s is None else o.tpot_slo_s for o in outcomes], dtype=float)
         quality = np.array([o.quality for o in outcomes], dtype=float)
+        first = np.array([o.first_token for o in outcomes], dtype=float)
+        decoding = served & (tokens > 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            decode_tpot = np.where(decoding, (finished - first) / np.maximum(tokens - 1, 1), np.nan)
         classes = tuple(dict.fromkeys(o.slo_class for o in outcomes))
         return cls(
             quality=quality,
@@ -148,6 +159,7 @@ class RequestArrays:
             tpot=tpot,
             qos=np.where(np.isnan(bound), np.nan,
                          np.where(served & slo_met(np.nan_to_num(tpot, nan=np.inf), bound), quality, 0.0)),
+            decode_tpot=decode_tpot,
         )
 
     @property
@@ -174,6 +186,10 @@ def request_figures(runs: Sequence[RequestArrays]) -> dict[str, tuple[np.ndarray
                "cost_mean": (stacked(lambda r: r.cost), "mean"),
                "budget_exhaustion": (exhausted, "mean"), "refused": (stacked(lambda r: r.refused), "mean"),
                "tpot_mean": (stacked(lambda r: r.tpot), "mean")}
+    decode = stacked(lambda r: r.decode_tpot)
+    if not np.isnan(decode).all():  # some answer has two tokens or more
+        figures |= {"decode_tpot_mean": (decode, "mean"), "decode_tpot_p50": (decode, 50.0),
+                    "decode_tpot_p99": (decode, 99.0)}
     for name in ("slo_ok", "qos"):  # only where requests carry the SLO
         values = stacked(lambda r, name=name: getattr(r, name))
         if not np.isnan(values).all():

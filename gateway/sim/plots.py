@@ -346,6 +346,76 @@ def staleness(pairs: list[dict], out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "staleness.png")]
 
 
+BALANCER_COLOURS = {"round_robin": "tab:orange", "shortest_queue": "tab:green", "power_of_two": "tab:red"}
+ELDR_FIGURES = (("decode_tpot_p50", "median TPOT (ms)", 1000), ("decode_tpot_p99", "p99 TPOT (ms)", 1000),
+                ("e2e_mean", "mean E2E (s)", 1), ("experts_per_step", "experts loaded per layer and step", 1))
+
+
+def _scaled(rows: list[dict], name: str, scale: float) -> list[dict]:
+    """Rows with `y` (and its interval) = the figure x scale."""
+    out = []
+    for r in rows:
+        lo, hi = _bounds(r, name) if name in r else (math.nan, math.nan)
+        out.append({**r, "y": scale * r.get(name, math.nan), "y_lo": scale * lo, "y_hi": scale * hi})
+    return out
+
+
+def _eldr_series(rows: list[dict]) -> dict[str, list[dict]]:
+    """ELDR (at each tau) and each load balancer's rows, by the name they are drawn under."""
+    series: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        series[f"eldr, tau={r['tau']:g}" if r["system"] == "eldr" else r["label"]].append(r)
+    return series
+
+
+def eldr(rows: list[dict], out_dir: Path) -> list[Path]:
+    """ELDR's sweep: eldr.png, each system's TPOT (median, p99), mean E2E and experts per step against the
+    load on the MoE pool; eldr_tau.png, the same figures against tau at one load, on the pool's usual mix and
+    with the mix shifted, the load balancers as flat references."""
+    from gateway.sim.eldr_eval import TAU, TAU_RATE
+
+    plt = _pyplot()
+    curve = [r for r in rows if r["pool"] == "moe" and (r["system"] != "eldr" or r["tau"] == TAU)]
+    fig, axes = plt.subplots(1, len(ELDR_FIGURES), figsize=(5.2 * len(ELDR_FIGURES), 5.2))
+    for name, series in _eldr_series(curve).items():
+        colour, style = ("tab:blue", "-") if name.startswith("eldr") else (BALANCER_COLOURS.get(name, "k"), "--")
+        for ax, (figure, title, scale) in zip(axes, ELDR_FIGURES, strict=True):
+            if any(figure in r for r in series):
+                _band(ax, _scaled(series, figure, scale), "rate", "y", colour, style, name)
+            ax.set(xlabel="arrivals (req/s) over 8 instances", title=title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, bbox_to_anchor=(0.5, 0.94))
+    fig.suptitle("ELDR against load balancers on the mixture-of-experts pool (8 x Qwen3-30B-A3B shape); 95% "
+                 "intervals", fontsize=10, y=0.99)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    paths = [_save(fig, out_dir / "eldr.png")]
+
+    at = [r for r in rows if r["rate"] == TAU_RATE]
+    pools = list(dict.fromkeys(r["pool"] for r in at))
+    taus = sorted({r["tau"] for r in at if r["system"] == "eldr"})
+    fig, axes = plt.subplots(len(pools), 3, figsize=(16, 4.4 * len(pools)), squeeze=False)
+    for row_axes, pool in zip(axes, pools, strict=True):
+        mine = [r for r in at if r["pool"] == pool]
+        for ax, (figure, title, scale) in zip(row_axes, ELDR_FIGURES[:3], strict=True):
+            tuned = sorted((r for r in mine if r["system"] == "eldr"), key=lambda r: r["tau"])
+            points = _scaled(tuned, figure, scale)
+            xs = [taus.index(r["tau"]) for r in tuned]
+            ax.errorbar(xs, [p["y"] for p in points], yerr=_err(points, "y"), fmt="-o", c="tab:blue",
+                        capsize=3, label="eldr")
+            for r in _scaled([r for r in mine if r["system"] != "eldr"], figure, scale):
+                colour = BALANCER_COLOURS.get(r["label"], "k")
+                ax.axhline(r["y"], c=colour, ls="--", lw=1, label=r["label"])
+                ax.axhspan(r["y_lo"], r["y_hi"], color=colour, alpha=0.08, lw=0)
+            ax.set_xticks(range(len(taus)), [f"{t:g}" for t in taus])
+            ax.set(xlabel="tau (0: nearest centroid only; 1: shortest queue)", title=f"{pool}: {title}")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, bbox_to_anchor=(0.5, 0.965))
+    fig.suptitle(f"ELDR's locality band at {TAU_RATE:g} req/s: moe, the usual mix; moe-shift, half the traffic one "
+                 "kind (code) the centroids were not fitted for; 95% intervals", fontsize=10, y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    return [*paths, _save(fig, out_dir / "eldr_tau.png")]
+
+
 def _x(x_of: dict, pair: dict) -> int:
     sharing = pair.get("sharing")
     return x_of[sharing, pair["staleness_ms"] if sharing == "periodic" else None]
@@ -384,4 +454,6 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path, pairs: Sequence[dict]
         return qos_curves(rows, out_dir)
     if name == "staleness":
         return staleness(list(pairs), out_dir)
+    if name == "eldr":
+        return eldr(rows, out_dir)
     return []

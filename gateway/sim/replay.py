@@ -20,14 +20,16 @@ REQUEST_TIMEOUT_S = 180.0
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, preset: str, start: float,
-                      at: float, names: dict[str, int], out: Outcome) -> None:
+                      at: float, names: dict[str, int], out: Outcome, policy: str | None = None) -> None:
     await asyncio.sleep(max(0.0, start + at - time.monotonic()))
     body = {"model": "auto", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": DEFAULT_MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
     out.arrival = sent - start
-    async with client.stream("POST", url, content=orjson.dumps(body), headers={
-            "Content-Type": "application/json", "X-Route-Preset": preset}) as resp:
+    headers = {"Content-Type": "application/json", "X-Route-Preset": preset}
+    if policy is not None:
+        headers["X-Route-Policy"] = policy
+    async with client.stream("POST", url, content=orjson.dumps(body), headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"status {resp.status_code}: {(await resp.aread())[:200]!r}")
         out.instance = names[resp.headers["X-Route-Instance"]]
@@ -44,15 +46,18 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, preset: 
     out.finished = time.monotonic() - start
 
 
-async def replay(base: str, prompts, times, preset: str, names: dict[str, int]) -> list[Outcome]:
+async def replay(base: str, prompts, times, preset: str, names: dict[str, int],
+                 policy: str | None = None) -> list[Outcome]:
     """Send prompts[r] at times[r] seconds from now to `base` (the gateway's root URL).
 
-    `names` maps an instance name (the X-Route-Instance header) to its index.
+    `names` maps an instance name (the X-Route-Instance header) to its index; `policy`, if given, is asked
+    for with X-Route-Policy.
     Raises if any request fails: a live cell with failures is not comparable."""
     outcomes = [Outcome(math.nan) for _ in prompts]
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
         start = time.monotonic()
-        await asyncio.gather(*(one_request(client, base + "/v1/chat/completions", p, preset, start, float(t), names, o)
+        await asyncio.gather(*(one_request(client, base + "/v1/chat/completions", p, preset, start, float(t), names, o,
+                                           policy)
                                for p, t, o in zip(prompts, times, outcomes, strict=True)))
     return outcomes

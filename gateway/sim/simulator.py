@@ -9,7 +9,8 @@ and the pool ledger, fed here by scrapes of each engine every
 What this driver adds is virtual time and the instances: `engine.Engine`,
 answering each prompt at its labelled length for the model that serves it
 (instances sharing a `gpu_id` run as one `engine.shared_gpu.SharedGpu`,
-which swaps their models in and out).
+which swaps their models in and out; a mixture-of-experts instance routes
+each prompt's tokens to the experts of its kind, engine/moe.py).
 Estimates come from the evaluation set's cache (the estimators are
 deterministic per prompt, so computing them once changes no decision).
 
@@ -126,6 +127,9 @@ class CellResult:
     swaps: float = math.nan  # model loads on GPUs shared by several models (NaN: no GPU is shared)
     swap_s: float = math.nan  # GPU seconds those loads took
     info_age_s: float = math.nan  # replicas: mean age of the others' work counted at a decision (NaN: none)
+    # Mixture-of-experts instances: the expected distinct experts per layer a step loads, mean over their steps
+    # (NaN: no MoE instance)
+    experts_per_step: float = math.nan
 
 
 def budgets(spec: CellSpec, prompt_tokens: np.ndarray) -> list[float | None]:
@@ -247,6 +251,8 @@ class Simulation:
         self.prices_out = np.array([per_token(i.price_output_per_mtok) for i in instances])
         self.generated = np.zeros(len(instances))  # cumulative counters, as vLLM exports them
         self.prefilled = np.zeros(len(instances))
+        self.moe = [e.experts is not None for e in self.engines]
+        self.experts, self.moe_steps = 0.0, 0  # MoE instances: experts loaded, summed over their steps
         self.warming = policy.overrides("warm") and any(gpu.shared for gpu in self.gpus)
         self.evicting = policy.overrides("evict")
 
@@ -260,6 +266,9 @@ class Simulation:
             for k, report in gpu.advance(t).items():
                 self.generated[k] += report.generation_tokens
                 self.prefilled[k] += report.prompt_tokens
+                if self.moe[k]:
+                    self.experts += report.experts
+                    self.moe_steps += report.steps
 
     def warm(self, rep: Replica, t: float) -> None:
         """The policy's warm start: the models it wants in host memory next."""
@@ -368,7 +377,7 @@ class Simulation:
                 if held_on is not None:
                     self.unpark(rid, held_on)
                 seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
-                                     output_tokens=label, now=t)
+                                     output_tokens=label, now=t, domain=self.ev.kind(rid))
             rep.in_flight[rid] = self.sequences[rid] = (i, seq)
 
     def evict(self, rep: Replica, t: float) -> None:
@@ -462,14 +471,14 @@ class Simulation:
                 rep.core.withdraw(ticket, clock)
                 if ticket.handle in self.parked:
                     self.unpark(ticket.handle, self.parked.pop(ticket.handle))
-        for gpu in self.gpus:
-            gpu.advance(math.inf)
+        self.advance(math.inf)
         for rid, (_, seq) in self.sequences.items():
             _record(self.outcomes[rid], seq)
         ages = [a for a in self.ages if not math.isnan(a)]
         return CellResult(self.spec, tuple(_costed(self.outcomes, self.prices_in, self.prices_out)),
                           tuple(i.model for i in self.instances), tuple(self.batches), tuple(self.ranked_down),
-                          *_swaps(self.gpus), info_age_s=sum(ages) / len(ages) if ages else math.nan)
+                          *_swaps(self.gpus), info_age_s=sum(ages) / len(ages) if ages else math.nan,
+                          experts_per_step=self.experts / self.moe_steps if self.moe_steps else math.nan)
 
     def _waiting_for_room(self) -> bool:
         """Requests are held in a replica while some are still running on the instances (whose end may free

@@ -353,7 +353,7 @@ def staleness_pairs(cells: Sequence[Cell]) -> list[Pair]:
 # (a group per request) about twice that.
 SECONDS_PER_REQUEST = {"heads": 9.0 / 3534, "plain": 2.0 / 3534, "qlm": 5.0 / 2500, "edf": 10.0 / 2500}
 RUN_OVERHEAD_S = 0.15  # per run: the cell's config and policy (a baseline fits its router), the engines
-INTERVALS_S = 0.4  # per cell, in the main process once the runs are in: the bootstrap of its figures
+INTERVALS_S = 0.7  # per cell, in the main process once the runs are in: the bootstrap of its figures
 START_S = 20.0  # the workers load the estimators and the evaluation set
 
 
@@ -427,16 +427,18 @@ def run_seed(task: tuple[Cell, int]) -> tuple[dict, RequestArrays]:
         from gateway.sim.evalset import subset
 
         cfg, evalset = subset(cfg, evalset, cell.tags["instances"].split(","))
-    if "pool" in cell.tags:  # a cell on a pool made for it (the QLM sweep's multi-model W_A)
-        from gateway.sim.pools import POOLS
+    if "pool" in cell.tags:  # a cell on a pool made for it (the QLM sweep's multi-model W_A, ELDR's MoE pool)
+        from gateway.sim.pools import named
 
-        cfg, evalset = POOLS[cell.tags["pool"]](cfg, evalset)
+        cfg, evalset = named(cell.tags["pool"])(cfg, evalset)
     result = run_cell(configured(cfg, cell.config_changes), evalset, dataclasses.replace(cell.spec, seed=seed), est)
     row = {**_identity(cell), "seed": seed, **summarise(result.outcomes, result.models),
            "batch_mean": sum(result.batches) / max(len(result.batches), 1), "swaps": result.swaps,
            "swap_s": result.swap_s}
     if cell.spec.replicas > 1:
         row["info_age_s"] = result.info_age_s
+    if result.experts_per_step == result.experts_per_step:  # a mixture-of-experts pool
+        row["experts_per_step"] = result.experts_per_step
     return row, RequestArrays.of(result.outcomes, result.models)
 
 

@@ -84,6 +84,32 @@ class ShortestQueue:
         pass  # the queue lengths come from the view, which the pipeline updates
 
 
+class PowerOfTwo:
+    """Power of two choices: two instances drawn at random, the one with fewer requests first (ties: the
+    emptier relative to its slots, then the first drawn), the other second, then the rest shortest first.
+
+    The classic load balancer that needs no global scan (Mitzenmacher): nearly as even as shortest queue,
+    without herding every simultaneous decision onto the one emptiest instance. One of ELDR's baselines.
+    """
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def rank(self, usable: Sequence[int], view: PoolView) -> list[int]:
+        if len(usable) < 2:
+            return list(usable)
+        a, b = (usable[k] for k in self._rng.choice(len(usable), size=2, replace=False))
+        pair = sorted((a, b), key=lambda i: (view.active[i], view.active[i] / view.max_num_seqs[i]))  # stable
+        rest = [i for i in usable if i != a and i != b]
+        idx = np.asarray(rest, dtype=np.int64)
+        return pair + _ranked(rest, self._rng, view.active[idx], view.active[idx] / view.max_num_seqs[idx])
+
+    def chose(self, i: int) -> None:
+        pass
+
+
 class Random:
     """A uniformly random order, from a generator seeded once so a run repeats for its seed."""
 

@@ -19,12 +19,13 @@ from typing import Any
 from gateway.config_schema import Section, section
 from gateway.scheduling.budget import predicted_cost
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
-from gateway.scheduling.policies.dispatchers import Dispatcher, Random, RoundRobin, ShortestQueue
+from gateway.scheduling.policies.dispatchers import Dispatcher, PowerOfTwo, Random, RoundRobin, ShortestQueue
 from gateway.scheduling.policies.routers import Passthrough, Router
 from gateway.scheduling.request import Decision, Estimates, RouteRequest
 from gateway.scheduling.view import PoolView
 
-DISPATCHERS = ("round_robin", "shortest_queue", "random")
+DISPATCHERS = ("round_robin", "shortest_queue", "random", "power_of_two")
+SAID = {"power_of_two": "power of two choices"}  # a dispatcher's name in words, where its name says too little
 
 
 @section
@@ -79,6 +80,8 @@ def make_dispatcher(name: str, context: PolicyContext) -> Dispatcher:
         return RoundRobin(seed)
     if name == "shortest_queue":
         return ShortestQueue(seed)
+    if name == "power_of_two":
+        return PowerOfTwo(seed)
     return Random(seed)
 
 
@@ -91,7 +94,8 @@ def entries(router: str, make_router: Callable[[PolicyContext], Router], what: s
             return PipelinePolicy(make_router(context), make_dispatcher(dispatcher, context))
 
         return PolicyEntry(f"{router}+{dispatcher}", build,
-                           f"baseline: {what}, then {dispatcher.replace('_', ' ')}", needs_estimates=needs_estimates)
+                           f"baseline: {what}, then {SAID.get(dispatcher, dispatcher.replace('_', ' '))}",
+                           needs_estimates=needs_estimates)
 
     return tuple(entry(d) for d in DISPATCHERS)
 

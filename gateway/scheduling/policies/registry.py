@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.scheduling.policies import avengers, best_route, pipeline, qlm, qos, routebalance
+from gateway.scheduling.policies import avengers, best_route, eldr, pipeline, qlm, qos, routebalance
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
 
-BUILTIN = (routebalance, pipeline, avengers, best_route, qlm, qos)
+BUILTIN = (routebalance, pipeline, avengers, best_route, qlm, qos, eldr)
 
 _entries: dict[str, PolicyEntry] = {}
 _tables: dict[str, type] = {}
