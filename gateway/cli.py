@@ -562,7 +562,7 @@ def cmd_keys_add(args) -> int:
 
 def cmd_keys_list(args) -> int:
     from gateway.config import load_config
-    from gateway.trust.spend import SpendLedger, SpendStoreError, SqliteSpendStore
+    from gateway.trust.spend import SpendStoreError
 
     config = load_config(args.config)
     keys = config.auth.keys
@@ -570,35 +570,36 @@ def cmd_keys_list(args) -> int:
         print(f"no API keys in {args.config}; `routebalance keys add NAME --config CONFIG` adds one")
         return 0
     state = config.state
-    if state.backend == "redis":
-        try:
-            spends = asyncio.run(_redis_report(state, keys))
-        except SpendStoreError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(format_keys(keys, spends))
-        print(f"\nspend from {state.url} (booked; what requests in flight hold is not shown)")
-        return 0
     if state.backend == "memory":
         print(format_keys(keys, None))
         print('\n[state] backend = "memory": spend is kept inside the running gateway only; nothing to show here')
         return 0
-    if not Path(state.path).exists():
+    if state.backend == "sqlite" and not Path(state.path).exists():
         print(format_keys(keys, None))
         print(f"\nno spend recorded yet: {state.path} does not exist (relative paths are to the working directory)")
         return 0
     try:
-        store = SqliteSpendStore(state.path)
-        try:
-            spends = SpendLedger(store).report(keys, time.time())
-        finally:
-            store.close()
+        spends, source = _spend_report(state, keys)
     except SpendStoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_keys(keys, spends))
-    print(f"\nspend from {state.path}")
+    print(f"\nspend from {source}")
     return 0
+
+
+def _spend_report(state, keys):
+    """This period's spend of each key from the configured store, and where it was read."""
+    from gateway.trust.spend import SpendLedger, SqliteSpendStore
+
+    if state.backend == "redis":
+        spends = asyncio.run(_redis_report(state, keys))
+        return spends, f"{state.url} (booked; what requests in flight hold is not shown)"
+    store = SqliteSpendStore(state.path)
+    try:
+        return SpendLedger(store).report(keys, time.time()), state.path
+    finally:
+        store.close()
 
 
 async def _redis_report(state, keys):
