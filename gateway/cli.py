@@ -67,13 +67,14 @@ def workload_lengths(cfg):
     is answered at its labelled length for the model that serves it."""
     from gateway.emulator.outputs import OutputLengths
     from gateway.engine.profiles import arch_for
-    from gateway.sim.evalset import EVAL_PROMPTS, label_kinds, label_lengths
+    from gateway.sim.evalset import EVAL_PROMPTS
     from gateway.workload.synthetic import generate
 
     records = generate(cfg.estimators.train_records + EVAL_PROMPTS, seed=cfg.estimators.seed)
     means = {i.model: arch_for(i.model).mean_output_tokens for i in cfg.instances}
-    # Kinds too: a mixture-of-experts instance routes a known prompt's tokens to its kind's experts.
-    return OutputLengths(means, labels=label_lengths(records), seed=cfg.emulator.seed, kinds=label_kinds(records))
+    # Kinds and scores too: a mixture-of-experts instance routes a known prompt's tokens to its kind's
+    # experts, and logprobs follow the model's labelled quality on the prompt.
+    return OutputLengths.from_records(means, records, seed=cfg.emulator.seed)
 
 
 async def start_emulator(store: ConfigStore):

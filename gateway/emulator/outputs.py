@@ -6,15 +6,29 @@ generator seeded by the prompt, so the same request always gets the same
 answer length (as with greedy decoding). A known prompt's kind (its domain:
 code, math, ...) is what a mixture-of-experts instance routes its tokens by;
 an unknown prompt has none (it routes uniformly).
+
+Progressive mode's prompts (gateway/workload/progressive.py) are answered as
+the model would answer them, from the original question's labels:
+
+- a sketch request gets numbered points, one per POINT_TOKENS of the model's
+  labelled answer length (SKETCH_MIN_POINTS..SKETCH_MAX_POINTS, never more
+  than the request allows), each "N." plus 3-6 words;
+- an expansion request gets the model's labelled length divided by the
+  skeleton's point count (at least MIN_EXPANSION_TOKENS).
+
+An unknown question falls back to the usual length model, as any prompt does.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-from gateway.workload import MAX_OUTPUT_TOKENS, prompt_key
+from gateway.workload import MAX_OUTPUT_TOKENS, Record, prompt_key
+from gateway.workload.progressive import parse_expansion_prompt, parse_sketch_prompt
+from gateway.workload.records import UNKNOWN_KIND
 
 LOG_SIGMA = 0.8  # spread of answer lengths around the model's mean (log-normal)
 
@@ -27,6 +41,46 @@ _WORDS = (
 ).split()
 _TOKENS = tuple(" " + w for w in _WORDS)
 
+POINT_TOKENS = 70  # one sketch point per this many tokens of the labelled answer
+SKETCH_MIN_POINTS, SKETCH_MAX_POINTS = 3, 8
+MIN_EXPANSION_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the model says to one request: `tokens` tokens (the engine's output length), as text.
+
+    `pieces` are explicit token strings (a sketch's numbered points); past them,
+    or without them, the deterministic filler carries the tokens.
+    """
+
+    tokens: int
+    text_seed: int
+    pieces: tuple[str, ...] = ()
+
+    def token_strings(self, start: int, count: int) -> list[str]:
+        n, m = len(_TOKENS), len(self.pieces)
+        return [self.pieces[i] if i < m else _TOKENS[(self.text_seed + 7 * i) % n] for i in range(start, start + count)]
+
+    def text(self, start: int, count: int) -> str:
+        return "".join(self.token_strings(start, count))
+
+
+def sketch_points(answer_tokens: int, max_points: int) -> int:
+    """How many points a model's sketch has for an answer of `answer_tokens` tokens."""
+    k = min(SKETCH_MAX_POINTS, max(SKETCH_MIN_POINTS, round(answer_tokens / POINT_TOKENS)))
+    return max(1, min(k, max_points))
+
+
+def sketch_pieces(points: int, seed: int) -> tuple[str, ...]:
+    """A sketch's tokens: "1." then 3-6 words, "\n2." then 3-6 words, ..."""
+    pieces: list[str] = []
+    for j in range(1, points + 1):
+        pieces.append(f"{j}." if j == 1 else f"\n{j}.")
+        words = 3 + (seed + 5 * j) % 4
+        pieces.extend(_TOKENS[(seed + 11 * j + 3 * w) % len(_TOKENS)] for w in range(words))
+    return tuple(pieces)
+
 
 class OutputLengths:
     def __init__(
@@ -35,15 +89,52 @@ class OutputLengths:
         labels: Mapping[str, Mapping[str, int]] | None = None,
         seed: int = 0,
         kinds: Mapping[str, str] | None = None,
+        scores: Mapping[str, Mapping[str, float]] | None = None,
     ):
         self.mean_tokens = dict(mean_tokens)
         self.labels = labels or {}
         self.seed = seed
         self.kinds = kinds or {}  # prompt key -> the workload's kind of the prompt
+        self.scores = scores or {}  # prompt key -> model -> labelled quality in [0, 1]
+
+    @classmethod
+    def from_records(cls, mean_tokens: Mapping[str, float], records: Iterable[Record], seed: int = 0) -> OutputLengths:
+        """Lengths, kinds and quality scores of labelled records (what `emulate` knows of its workload)."""
+        labels: dict[str, dict[str, int]] = {}
+        scores: dict[str, dict[str, float]] = {}
+        kinds: dict[str, str] = {}
+        for r in records:
+            key = prompt_key(r.prompt)
+            labels[key] = {m: lab.output_length for m, lab in r.models.items()}
+            scores[key] = {m: lab.score for m, lab in r.models.items()}
+            if r.kind != UNKNOWN_KIND:
+                kinds[key] = r.kind
+        return cls(mean_tokens, labels=labels, seed=seed, kinds=kinds, scores=scores)
 
     def kind_of(self, text: str) -> str | None:
-        """The prompt's kind when it is a workload prompt, else None."""
-        return self.kinds.get(prompt_key(text)) if self.kinds else None
+        """The prompt's kind when it is a workload prompt (or a progressive prompt about one), else None."""
+        if not self.kinds:
+            return None
+        return self.kinds.get(prompt_key(_question(text)))
+
+    def quality(self, text: str, model: str) -> float | None:
+        """The labelled quality of `model` on this prompt (or on a progressive prompt's question), if known."""
+        known = self.scores.get(prompt_key(_question(text))) if self.scores else None
+        return known.get(model) if known else None
+
+    def answer(self, text: str, model: str) -> Answer:
+        """What `model` answers to `text`: a progressive prompt by its question's labels, any other by its own."""
+        text_seed = int(prompt_key(text)[:8], 16)
+        sketch = parse_sketch_prompt(text)
+        if sketch is not None:
+            k = sketch_points(self.for_prompt(sketch.question, model), sketch.max_points)
+            pieces = sketch_pieces(k, text_seed)
+            return Answer(len(pieces), text_seed, pieces)
+        expansion = parse_expansion_prompt(text)
+        if expansion is not None:
+            share = self.for_prompt(expansion.question, model) / len(expansion.points)
+            return Answer(max(MIN_EXPANSION_TOKENS, round(share)), text_seed)
+        return Answer(self.for_prompt(text, model), text_seed)
 
     def for_prompt(self, text: str, model: str) -> int:
         key = prompt_key(text)
@@ -61,3 +152,9 @@ def filler_text(seed: int, start: int, count: int) -> str:
     """Tokens [start, start+count) of a deterministic answer; one word per token."""
     n = len(_TOKENS)
     return "".join(_TOKENS[(seed + 7 * i) % n] for i in range(start, start + count))
+
+
+def _question(text: str) -> str:
+    """The prompt whose labels apply: a progressive prompt's question, else the prompt itself."""
+    parsed = parse_sketch_prompt(text) or parse_expansion_prompt(text)
+    return parsed.question if parsed is not None else text

@@ -20,11 +20,11 @@ from aiohttp import web
 from gateway.api.sse import DONE, SSE_HEADERS, json_event
 from gateway.config import Faults
 from gateway.emulator.instance import EmulatedInstance
-from gateway.emulator.outputs import OutputLengths, filler_text
+from gateway.emulator.logprobs import MAX_LOGPROBS, TokenLogprobs, chat_content, completion_logprobs
+from gateway.emulator.outputs import Answer, OutputLengths
 from gateway.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.engine.profiles import arch_for
 from gateway.tokens import TokenCounter, content_text
-from gateway.workload import prompt_key
 
 INSTANCE_KEY = web.AppKey("instance", EmulatedInstance)
 POOL_KEY = web.AppKey("pool", object)
@@ -61,6 +61,57 @@ def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
     return prompt, max(1, tokens.count(prompt))  # the engine needs a token to prefill
 
 
+def _int_param(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logprobs_request(body: dict, chat: bool) -> int | None:
+    """How many top alternatives per token the request wants (0: only the sampled token's logprob),
+    or None for no logprobs; a bad value raises _BadRequest with vLLM's message."""
+    if chat:
+        want, top = body.get("logprobs"), body.get("top_logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise _BadRequest("`logprobs` must be a boolean", "logprobs")
+        if top is not None:
+            if not _int_param(top):
+                raise _BadRequest("`top_logprobs` must be an integer", "top_logprobs")
+            if top < 0:
+                raise _BadRequest("`top_logprobs` must be a positive value.", "top_logprobs")
+            if top > 0 and not want:
+                raise _BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        n, param = (top or 0) if want else None, "top_logprobs"
+    else:
+        n, param = body.get("logprobs"), "logprobs"
+        if n is not None:
+            if not _int_param(n):
+                raise _BadRequest("`logprobs` must be an integer", "logprobs")
+            if n < 0:
+                raise _BadRequest("`logprobs` must be a positive value.", "logprobs")
+    if n is not None and n > MAX_LOGPROBS:
+        raise _BadRequest(f"Requested sample logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}",
+                          param)
+    return n
+
+
+class _Render:
+    """One request's answer as text and, when asked, logprobs, for any range of its tokens."""
+
+    def __init__(self, chat: bool, answer: Answer, top_n: int | None, lp: TokenLogprobs | None):
+        self.chat, self.answer, self.top_n, self.lp = chat, answer, top_n, lp
+        self.text_offset = 0  # /v1/completions: characters sent so far
+
+    def piece(self, start: int, count: int) -> tuple[str, dict | None]:
+        tokens = self.answer.token_strings(start, count)
+        text = "".join(tokens)
+        if self.lp is None or self.top_n is None:
+            return text, None
+        if self.chat:
+            return text, {"content": chat_content(self.lp, tokens, start, self.top_n)}
+        logprobs = completion_logprobs(self.lp, tokens, start, self.top_n, self.text_offset)
+        self.text_offset += len(text)
+        return text, logprobs
+
+
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     inst = request.app[INSTANCE_KEY]
     pool: EmulatedPool = request.app[POOL_KEY]
@@ -82,6 +133,13 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(400, str(e), param=e.param)
     if body.get("n") not in (None, 1):
         return _error(400, "only n=1 is supported", param="n")
+    try:
+        top_n = _logprobs_request(body, chat)
+    except _BadRequest as e:
+        return _error(400, str(e), param=e.param)
+    request_seed = body.get("seed")
+    if request_seed is not None and not _int_param(request_seed):
+        return _error(400, "`seed` must be an integer", param="seed")
     limit = inst.engine.spec.max_model_len
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -106,20 +164,26 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     rid = inst.new_request_id("chatcmpl" if chat else "cmpl")
     loop_now = asyncio.get_running_loop().time()
     # ignore_eos (a vLLM extension) makes the answer run to max_tokens: profiling uses it.
-    output_tokens = max_tokens if body.get("ignore_eos") is True else pool.lengths.for_prompt(text, inst.model)
+    answer = pool.lengths.answer(text, inst.model)
+    output_tokens = max_tokens if body.get("ignore_eos") is True else answer.tokens
+    lp = None
+    if top_n is not None:
+        lp = TokenLogprobs.for_answer(text=text, model=inst.model, quality=pool.lengths.quality(text, inst.model),
+                                      tokens=min(output_tokens, max_tokens), emulator_seed=pool.lengths.seed,
+                                      request_seed=request_seed)
+    render = _Render(chat, answer, top_n, lp)
     seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
                             now=loop_now, domain=pool.lengths.kind_of(text))
     pool.kick()
-    text_seed = int(prompt_key(text)[:8], 16)
     created = int(time.time())
     try:
         if not stream:
             while not seq.finished:
                 await wake.wait()
                 wake.clear()
-            return web.Response(body=orjson.dumps(_full_body(chat, rid, created, inst.model, seq, text_seed)),
+            return web.Response(body=orjson.dumps(_full_body(chat, rid, created, inst.model, seq, render)),
                                 content_type="application/json")
-        return await _stream(request, chat, rid, created, inst.model, seq, wake, text_seed, include_usage,
+        return await _stream(request, chat, rid, created, inst.model, seq, wake, render, include_usage,
                              continuous_usage)
     finally:
         inst.release(seq, asyncio.get_running_loop().time())
@@ -131,19 +195,20 @@ def _usage(seq) -> dict:
             "completion_tokens": seq.generated}
 
 
-def _full_body(chat: bool, rid: str, created: int, model: str, seq, text_seed: int) -> dict:
-    text = filler_text(text_seed, 0, seq.generated)
+def _full_body(chat: bool, rid: str, created: int, model: str, seq, render: _Render) -> dict:
+    text, logprobs = render.piece(0, seq.generated)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                  "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+                  "logprobs": logprobs, "finish_reason": seq.finish_reason, "stop_reason": None}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": seq.finish_reason,
+                  "stop_reason": None}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(seq)}
 
 
-async def _stream(request, chat, rid, created, model, seq, wake, text_seed, include_usage,
+async def _stream(request, chat, rid, created, model, seq, wake, render: _Render, include_usage,
                   continuous_usage) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
@@ -162,12 +227,13 @@ async def _stream(request, chat, rid, created, model, seq, wake, text_seed, incl
         wake.clear()
         n = seq.generated
         if n > sent or seq.finished:
-            piece = filler_text(text_seed, sent, n - sent)
+            piece, logprobs = render.piece(sent, n - sent)
             reason = seq.finish_reason if seq.finished else None
             if chat:
-                choice = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+                choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": reason,
+                          "stop_reason": None}
             await resp.write(chunk(choice))
             sent = n
         if seq.finished:

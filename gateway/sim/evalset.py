@@ -112,23 +112,9 @@ def evaluation_records(cfg, n: int, workload: str | None = None) -> list[Record]
     return records[:n]
 
 
-def label_lengths(records: list[Record]) -> dict[str, dict[str, int]]:
-    """prompt key -> model -> labelled answer tokens, for the emulator to answer with."""
-    from gateway.workload import prompt_key
-
-    return {prompt_key(r.prompt): {m: lab.output_length for m, lab in r.models.items()} for r in records}
-
-
 def domain_of(record: Record) -> str | None:
     """A record's domain on a mixture-of-experts tier: its kind, or None (uniform routing) if it has none."""
     return None if record.kind == UNKNOWN_KIND else record.kind
-
-
-def label_kinds(records: list[Record]) -> dict[str, str]:
-    """prompt key -> the record's kind, for the emulator's mixture-of-experts instances (their domains)."""
-    from gateway.workload import prompt_key
-
-    return {prompt_key(r.prompt): r.kind for r in records if r.kind != UNKNOWN_KIND}
 
 
 def _cache_key(manifest: dict, cfg, records: list[Record] = ()) -> str:
