@@ -205,3 +205,51 @@ def test_tiny_key_limit_falls_back_or_refuses_and_never_overspends(stack):
     assert counter(stack, "routebalance_progressive_requests_total", result="budget") >= before + 1
     key = next(k for k in stack.store.current.auth.keys if k.name == "tiny")
     assert booked(stack, "tiny") <= key.spend_limit_usd * (1 + 1e-6)
+
+
+@pytest.fixture
+def patched_calls(stack):
+    """Wraps the gateway's progressive upstream calls with `hook(messages, logprobs, call)` for one test."""
+    prog = stack.gateway.progressive
+    original = prog._call
+    hooks = []
+
+    async def wrapped(session, cfg, inst, messages, max_tokens, spend, calls, logprobs):
+        async def call():
+            return await original(session, cfg, inst, messages, max_tokens, spend, calls, logprobs)
+        return await hooks[0](messages, logprobs, call) if hooks else await call()
+
+    prog._call = wrapped
+    yield hooks.append
+    del prog._call
+
+
+def test_later_points_that_finish_first_are_held_back(stack, patched_calls):
+    import asyncio
+
+    async def slow_first_point(messages, logprobs, call):
+        if logprobs and "Expand point 1 " in messages[0]["content"]:
+            await asyncio.sleep(0.6)
+        return await call()
+
+    patched_calls(slow_first_point)
+    raw = ask(client(stack), stream=True, extra_body=PROGRESSIVE)
+    k = int(raw.headers["X-Route-Points"])
+    parts = [ch.choices[0].delta.content for ch in raw.parse() if ch.choices and ch.choices[0].delta.content]
+    check_parts(parts, k)
+
+
+def test_failed_expansions_keep_the_sketch_point_never_a_500(stack, patched_calls):
+    async def second_point_fails(messages, logprobs, call):
+        if logprobs and "Expand point 2 " in messages[0]["content"]:
+            return None  # as a failed upstream call
+        return await call()
+
+    patched_calls(second_point_fails)
+    before = counter(stack, "routebalance_progressive_points_total", result="sketch_text")
+    raw = ask(client(stack), extra_body=PROGRESSIVE)
+    r = raw.parse()
+    parts = split_points(r.choices[0].message.content)
+    check_parts(parts, int(raw.headers["X-Route-Points"]))
+    assert len(parts[1].split()) <= 9  # "2." and the sketch's few words (3 to 8), not an expansion
+    assert counter(stack, "routebalance_progressive_points_total", result="sketch_text") == before + 1
