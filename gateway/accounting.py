@@ -112,19 +112,29 @@ class RequestSpend:
 
     async def reserve(self, worst_usd: float) -> None:
         """Hold an attempt's worst case against the key; 402 if the key cannot cover it."""
+        self.held = await self.hold(worst_usd)
+
+    async def hold(self, worst_usd: float) -> Reservation | None:
+        """A reservation of `worst_usd` against the key, for one of several calls in flight at once (progressive
+        mode), to be given to `pay_held`; None without a key; 402 if the key cannot cover it."""
         if self.key is None or self.ledger is None:
-            return
+            return None
         try:
-            self.held = await self.ledger.acquire(self.key, worst_usd, self.clock())
+            held = await self.ledger.acquire(self.key, worst_usd, self.clock())
         except SpendStoreError as e:
             raise store_error(e) from None
-        if self.held is None:
+        if held is None:
             raise spend_limit_error(self.key)
+        return held
 
     def pay(self, cost_usd: float) -> None:
         """The attempt is over and cost this much: the request and its key are charged once."""
-        self.paid_usd += cost_usd
         held, self.held = self.held, None
+        self.pay_held(held, cost_usd)
+
+    def pay_held(self, held: Reservation | None, cost_usd: float) -> None:
+        """A call over `held` is over and cost this much: the request and its key are charged once."""
+        self.paid_usd += cost_usd
         if held is not None and self.ledger is not None:
             if cost_usd == 0:  # it never reached an instance, or was refused: nothing to book
                 self.ledger.release(held)

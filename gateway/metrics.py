@@ -71,6 +71,13 @@ class GatewayMetrics:
                               "always 1 for the in-process backends", registry=r)
         self.spend_unwritten = Gauge("routebalance_spend_unwritten", "Bookings and releases not yet written to "
                                      "the spend store (they are kept and retried)", registry=r)
+        # Progressive mode (gateway/progressive_mode.py): how each progressive request was served, and its points.
+        self.progressive = Counter("routebalance_progressive_requests", "Requests asking for progressive mode, by "
+                                   "result: progressive, or the reason they went through normal routing",
+                                   ("result",), registry=r)
+        self.progressive_points = Counter("routebalance_progressive_points", "Points of progressive answers, by "
+                                          "result: expanded, or sketch_text (every expansion failed)",
+                                          ("result",), registry=r)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 

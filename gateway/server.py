@@ -25,6 +25,7 @@ from gateway.config import ApiKey, Config, ConfigStore
 from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
+from gateway.progressive_mode import Progressive
 from gateway.relay import (
     Costing,
     RelayResult,
@@ -137,6 +138,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.scheduler = Scheduler(store, self.ledger, self.metrics, estimators, candidates_for)
         self.token_counter = TokenCounter()
+        self.progressive = Progressive(self.ledger, self.metrics, self.token_counter)
         self.access = Access(store.current)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
         self.link: RedisLink | None = None  # [state] backend = "redis": shared with the other replicas
@@ -245,6 +247,14 @@ class Gateway:
             if budget is not None and budget <= 0 and spend.limited_by_key():  # reads the ledger only when spent
                 raise spend.refusal()
             input_tokens = await self._count_prompt(req, cfg, len(raw))
+            if req.routing.mode == "progressive":
+                assert self.session is not None
+                served = await self.progressive.serve(request, self.session, cfg, req, spend)
+                if served is not None:
+                    attempt.instance, attempt.status = "progressive", served.status
+                    self.metrics.e2e.labels(route).observe(loop.time() - start)
+                    return served
+                budget = spend.budget_left()  # a failed sketch was paid for
             routed = RouteRequest(
                 candidates=candidates,
                 prompt_text=req.prompt_text,

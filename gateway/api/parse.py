@@ -22,6 +22,8 @@ BUDGET_HEADER = "X-Route-Budget-USD"
 POLICY_HEADER = "X-Route-Policy"
 SLO_HEADER = "X-Route-SLO-S"
 TPOT_SLO_HEADER = "X-Route-TPOT-SLO-MS"
+MODE_HEADER = "X-Route-Mode"
+MODES = ("normal", "progressive")  # progressive: a large model sketches, small ones expand (PICE)
 MAX_TPOT_SLO_MS = 60_000.0  # a minute per token is no bound; larger values are a unit mistake
 WEIGHT_KEYS = ("quality", "latency", "cost")
 MAX_JSON_DEPTH = 64  # nesting a request may have; deeper cannot be re-encoded for the instance (orjson stops at 255)
@@ -38,6 +40,7 @@ class RoutingOptions:
     policy: str | None = None  # "routebalance" or a pipeline baseline "<router>+<dispatcher>"
     slo_s: float | None = None  # end-to-end SLO, seconds
     tpot_slo_ms: float | None = None  # bound on the time per output token, milliseconds
+    mode: str = "normal"  # one of MODES
 
 
 @dataclass(slots=True)
@@ -207,7 +210,8 @@ def parse_routing(body_routing, headers: Mapping[str, str], presets, policies=()
         body_routing = {}
     if not isinstance(body_routing, dict):
         raise ApiError(400, "'routing' must be an object", "routing")
-    unknown = set(body_routing) - {"preset", "weights", "budget_usd", "policy", "slo_s", "tpot_slo_ms"}
+    unknown = set(body_routing) - {"preset", "weights", "budget_usd", "policy", "slo_s", "tpot_slo_ms",
+                                     "mode"}
     if unknown:
         raise ApiError(400, f"unknown routing field {sorted(unknown)[0]!r}", "routing")
 
@@ -228,7 +232,14 @@ def parse_routing(body_routing, headers: Mapping[str, str], presets, policies=()
     policy = body_routing.get("policy", headers.get(POLICY_HEADER))
     if policy is not None and (not isinstance(policy, str) or policy not in policies):
         raise ApiError(400, f"unknown policy {policy!r}; known: {', '.join(policies)}", "routing.policy")
-    return RoutingOptions(preset, weights, budget, policy, slo_s, tpot_slo_ms)
+    mode = _body_or_header(body_routing, "mode", headers, MODE_HEADER, _parse_mode) or "normal"
+    return RoutingOptions(preset, weights, budget, policy, slo_s, tpot_slo_ms, mode)
+
+
+def _parse_mode(raw, param: str) -> str:
+    if not isinstance(raw, str) or raw.strip().lower() not in MODES:
+        raise ApiError(400, f"unknown routing mode {raw!r}; known: {', '.join(MODES)}", param)
+    return raw.strip().lower()
 
 
 def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=(),
@@ -270,6 +281,12 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
                              for m in body["messages"])
 
     routing = parse_routing(body.pop("routing", None), headers, presets, policies, max_slo_s)
+    if routing.mode == "progressive":
+        if not chat:
+            raise ApiError(400, "progressive mode serves chat completions only (/v1/chat/completions), "
+                                "not /v1/completions", "routing.mode")
+        if n != 1:
+            raise ApiError(400, "progressive mode answers one choice: 'n' (and 'best_of') must be 1", "n")
     return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing, n, tools,
                              has_media)
 

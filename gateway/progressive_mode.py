@@ -1,0 +1,337 @@
+"""Progressive mode's shell (PICE, papers/pice-progressive-inference.txt): the calls the plan makes.
+
+One request asking for `routing.mode = "progressive"` (or `X-Route-Mode: progressive`) is served as:
+
+1. the fallback rule (scheduling/progressive.py `fallback_reason`): code, single facts, empty prompts
+   go through normal routing, counted in `routebalance_progressive_requests{result=<reason>}`;
+2. the budget: the plan's worst case with one candidate per point and the most points must fit the
+   request's budget and its key's remaining spend, else normal routing (which serves or refuses, 402);
+3. one sketch call on the pool's largest tier (the model with the highest price), its least-loaded
+   routable instance; a sketch of fewer than `min_points` points, or a failed sketch, goes through
+   normal routing (its cost stays booked);
+4. one expansion call per point and candidate, all in parallel, on the cheapest models (candidate k
+   on the k-th cheapest, so candidates differ), each asking for logprobs; each point keeps its most
+   confident expansion (mean token logprob); a point whose every candidate failed keeps the sketch's
+   own words (`routebalance_progressive_points{result="sketch_text"}`);
+5. the answer: one chat.completion, or a stream that sends the points in order as each is ready.
+
+Money: every upstream call reserves its worst case against the key before it goes and pays its real
+cost when it ends (a call the key cannot cover is dropped, like a failed one); the answer's usage is
+the sum over every call (the sketch and every candidate), with `cost_usd`, which is what the key is
+booked. The upstream calls themselves are never streamed (the client's stream is the gateway's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.accounting import RequestSpend, worst_case_usd
+from gateway.api.errors import ApiError
+from gateway.api.parse import CompletionRequest
+from gateway.api.sse import DONE, json_event
+from gateway.config import Config, Instance
+from gateway.metrics import GatewayMetrics
+from gateway.relay import STREAM_HEADERS, Costing, RelayResult, UpstreamFailed, client_error, open_upstream, relay_full
+from gateway.scheduling.budget import per_token
+from gateway.scheduling.ledger import PoolLedger
+from gateway.scheduling.progressive import (
+    Candidate,
+    FallbackRule,
+    Price,
+    ProgressiveLimits,
+    Usage,
+    answer_part,
+    assemble,
+    candidates_within,
+    check_budget,
+    choose,
+    fallback_reason,
+    parse_points,
+    plan_calls,
+    sum_usage,
+)
+from gateway.tokens import TokenCounter
+from gateway.workload.progressive import (
+    EXPANSION_HEAD,
+    QUESTION_MARK,
+    SKELETON_MARK,
+    expansion_prompt,
+    sketch_prompt,
+)
+
+log = logging.getLogger("routebalance.progressive")
+CHAT_PATH = "/v1/chat/completions"
+PROGRESSIVE = "progressive"  # the counter's label for a request served progressively
+
+
+@dataclass(slots=True)
+class Calls:
+    """Every upstream call of one progressive request: what each cost (the answer's usage, the key's booking)."""
+
+    usages: list[Usage] = field(default_factory=list)
+    pending: dict[str, int] = field(default_factory=dict)  # this request's calls in flight, per instance
+
+    @property
+    def total(self) -> Usage:
+        return sum_usage(self.usages)
+
+
+class Progressive:
+    """Serves progressive requests through the gateway's session, pool ledger and metrics."""
+
+    def __init__(self, ledger: PoolLedger, metrics: GatewayMetrics, token_counter: TokenCounter,
+                 limits: ProgressiveLimits | None = None, rule: FallbackRule | None = None):
+        self.ledger = ledger
+        self.metrics = metrics
+        self.token_counter = token_counter
+        self.limits = limits or ProgressiveLimits()
+        self.rule = rule or FallbackRule()
+
+    def fall_back(self, reason: str) -> None:
+        self.metrics.progressive.labels(reason).inc()
+        log.info("progressive request served normally: %s", reason)
+
+    # ---- where the calls go ----------------------------------------------------------------------------
+    def _pick(self, cfg: Config, model: str, calls: Calls, now: float) -> Instance | None:
+        """The least-loaded routable instance of `model` (the gateway's requests on it, this one's calls too)."""
+        best, best_load = None, 0.0
+        for inst in cfg.instances:
+            if inst.model != model or not self.ledger.routable(inst.name, now):
+                continue
+            state = self.ledger.of(inst.name)
+            load = len(state.in_flight) + state.others.requests + calls.pending.get(inst.name, 0)
+            if best is None or load < best_load:
+                best, best_load = inst, load
+        return best
+
+    @staticmethod
+    def tiers(cfg: Config, now_routable) -> tuple[str, list[str]] | None:
+        """The sketch model (the highest-priced routable model) and the expansion models (the cheapest others,
+        cheapest first); None when the pool has no two routable models."""
+        price: dict[str, tuple[float, float]] = {}
+        for inst in cfg.instances:
+            if now_routable(inst.name):
+                price.setdefault(inst.model, (inst.price_output_per_mtok, inst.price_input_per_mtok))
+        if len(price) < 2:
+            return None
+        ordered = sorted(price, key=lambda m: price[m])
+        return ordered[-1], ordered[:-1]
+
+    # ---- one upstream call -----------------------------------------------------------------------------
+    async def _call(self, session: aiohttp.ClientSession, cfg: Config, inst: Instance, messages: list[dict],
+                    max_tokens: int, spend: RequestSpend, calls: Calls, logprobs: bool) -> dict | None:
+        """One non-streamed call, reserved before and paid after; its answer's JSON, or None if it failed."""
+        up = cfg.upstream
+        timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, connect=up.acquire_timeout_s + up.connect_timeout_s,
+                                        sock_connect=up.connect_timeout_s, sock_read=up.response_timeout_s)
+        prompt_tokens = self.token_counter.count_chat(messages)
+        worst = worst_case_usd(inst, prompt_tokens, max_tokens, 1)
+        costing = Costing.for_instance(inst, prompt_tokens, self.token_counter.count, up.max_response_bytes,
+                                       cfg.server.tokenize_inline_chars)
+        body: dict = {"model": inst.model, "messages": messages, "max_tokens": max_tokens, "stream": False}
+        if logprobs:
+            body["logprobs"] = True
+        held = await spend.hold(worst)  # 402 when the key cannot cover it: the caller decides
+        rid = object()
+        loop = asyncio.get_running_loop()
+        self.ledger.of(inst.name).dispatched(rid, prompt_tokens, max_tokens, loop.time(), streaming=False)
+        calls.pending[inst.name] = calls.pending.get(inst.name, 0) + 1
+        result = RelayResult()
+        cost: float | None = None
+        try:
+            upstream = await open_upstream(session, inst, CHAT_PATH, orjson.dumps(body), timeout, False)
+            if upstream.status >= 400:
+                cost = 0.0
+                err = await client_error(upstream)
+                log.warning("progressive call on %s refused: %s", inst.name, err.message)
+                return None
+            resp = await relay_full(upstream, inst, result, costing)
+            cost = result.cost_usd
+            assert isinstance(resp.body, bytes)
+            return orjson.loads(resp.body)
+        except UpstreamFailed as e:
+            log.warning("progressive call on %s failed: %s", inst.name, e)
+            cost = {"nothing": 0.0, "prompt": costing.cost(prompt_tokens, 0), "all": worst}[e.spent]
+            return None
+        finally:
+            self.ledger.of(inst.name).done(rid)
+            calls.pending[inst.name] -= 1
+            if cost is None:  # cancelled (the client left) before the answer was known: all it was allowed
+                cost = result.cost_usd if result.final and result.cost_usd is not None else worst
+            spend.pay_held(held, cost)
+            calls.usages.append(Usage(result.prompt_tokens, result.completion_tokens, cost))
+            if result.cost_usd is not None:
+                self.metrics.cost.labels(inst.model).inc(result.cost_usd)
+                self.metrics.tokens.labels(inst.model, "prompt").inc(result.prompt_tokens)
+                self.metrics.tokens.labels(inst.model, "completion").inc(result.completion_tokens)
+
+    # ---- the request -----------------------------------------------------------------------------------
+    async def serve(self, request: web.Request, session: aiohttp.ClientSession, cfg: Config,
+                    req: CompletionRequest, spend: RequestSpend) -> web.StreamResponse | None:
+        """The progressive answer, or None when the request is to go through normal routing (counted)."""
+        limits, question = self.limits, req.prompt_text
+        reason = fallback_reason(question, None, self.rule)  # no cheap large-tier length estimate here
+        if reason is not None:
+            self.fall_back(reason.value)
+            return None
+        loop = asyncio.get_running_loop()
+        tiers = self.tiers(cfg, lambda name: self.ledger.routable(name, loop.time()))
+        if tiers is None:
+            self.fall_back("no_tiers")
+            return None
+        large, small = tiers
+        small = small[:limits.candidates]
+        prices = {inst.model: Price(per_token(inst.price_input_per_mtok), per_token(inst.price_output_per_mtok))
+                  for inst in cfg.instances}
+        sketch_messages = [{"role": "user", "content": sketch_prompt(question, limits.max_points)}]
+        tokens = {"sketch": self.token_counter.count_chat(sketch_messages),
+                  # the expansion prompt carries the question and a skeleton of at most sketch_max_tokens,
+                  # renumbered ("N. " per point)
+                  "expand": self.token_counter.count_chat(
+                      [{"role": "user", "content": EXPANSION_HEAD + SKELETON_MARK + QUESTION_MARK + question}])
+                  + limits.sketch_max_tokens + 3 * limits.max_points}
+        if candidates_within(large, small, tokens, prices, spend.budget_left(), limits) == 0:
+            self.fall_back("budget")
+            return None
+        calls = Calls()
+        sketch_inst = self._pick(cfg, large, calls, loop.time())
+        if sketch_inst is None:
+            self.fall_back("no_tiers")
+            return None
+        try:
+            sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens, spend,
+                                      calls, logprobs=False)
+        except ApiError:
+            self._book(spend, calls)
+            raise
+        points = parse_points(_content(sketch) or "", limits.max_points) if sketch is not None else []
+        if sketch is None or len(points) < limits.min_points:  # normal routing books what the sketch paid
+            self.fall_back("sketch_failed" if sketch is None else "few_points")
+            return None
+        prompts = [expansion_prompt(question, points, p) for p in range(1, len(points) + 1)]
+        tokens["expand"] = max(self.token_counter.count_chat([{"role": "user", "content": p}]) for p in prompts)
+        n_cand = 1
+        for c in range(limits.candidates, 0, -1):
+            plan = plan_calls(large, small, len(points), limits, candidates=c)[1:]  # the sketch is paid
+            if check_budget(plan, tokens, prices, spend.budget_left()).fits:
+                n_cand = c
+                break
+        self.metrics.progressive.labels(PROGRESSIVE).inc()
+
+        async def expand(index: int) -> str | None:
+            async def one(k: int) -> Candidate | None:
+                model = small[k % len(small)]
+                inst = self._pick(cfg, model, calls, loop.time())
+                if inst is None:
+                    return None
+                try:
+                    data = await self._call(session, cfg, inst, [{"role": "user", "content": prompts[index]}],
+                                            limits.expansion_max_tokens, spend, calls, logprobs=True)
+                except ApiError:  # the key cannot cover this candidate: dropped
+                    return None
+                if data is None:
+                    return None
+                text = _content(data)
+                if not text or not text.strip():
+                    return None
+                return Candidate(text, _logprobs(data), Usage(0, _completion_tokens(data)), inst.name)
+
+            found = [c for c in await asyncio.gather(*(one(k) for k in range(n_cand))) if c is not None]
+            if not found:
+                self.metrics.progressive_points.labels("sketch_text").inc()
+                return None
+            self.metrics.progressive_points.labels("expanded").inc()
+            return found[choose(found)].text
+
+        tasks = [loop.create_task(expand(i)) for i in range(len(points))]
+        headers = {"X-Route-Mode": PROGRESSIVE, "X-Route-Points": str(len(points)), "X-Route-Model": large,
+                   "X-Route-Instance": sketch_inst.name, "X-Route-Candidates": str(n_cand)}
+        rid, created = f"chatcmpl-prog-{uuid.uuid4().hex}", int(time.time())
+        try:
+            if req.stream:
+                return await self._stream(request, cfg, req, points, tasks, calls, headers, rid, created, large)
+            expansions = list(await asyncio.gather(*tasks))
+            total = calls.total
+            message = {"role": "assistant", "content": assemble(points, expansions)}
+            answer = {"id": rid, "object": "chat.completion", "created": created, "model": large,
+                      "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
+                      "usage": _usage(total)}
+            headers["X-Route-Cost-USD"] = f"{total.cost:.10f}"
+            return web.Response(body=orjson.dumps(answer), content_type="application/json", headers=headers)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # each pays for its calls
+            self._book(spend, calls)
+
+    async def _stream(self, request: web.Request, cfg: Config, req: CompletionRequest, points: Sequence[str],
+                      tasks: list[asyncio.Task], calls: Calls, headers: dict[str, str], rid: str, created: int,
+                      model: str) -> web.StreamResponse:
+        """The points in order, each as soon as it and every point before it are ready."""
+        resp = web.StreamResponse(headers={**STREAM_HEADERS, **headers})
+        await resp.prepare(request)
+
+        def chunk(delta: dict, finish: str | None = None) -> bytes:
+            return json_event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+        async def write(data: bytes) -> None:
+            async with asyncio.timeout(cfg.server.write_timeout_s):
+                await resp.write(data)
+
+        await write(chunk({"role": "assistant", "content": ""}))
+        for i, (point, task) in enumerate(zip(points, tasks, strict=True)):
+            await write(chunk({"content": answer_part(i, point, await task)}))
+        await write(chunk({}, "stop"))
+        if req.include_usage:
+            total = calls.total
+            await write(json_event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                    "choices": [], "usage": _usage(total)}))
+        await write(DONE)
+        await resp.write_eof()
+        return resp
+
+    def _book(self, spend: RequestSpend, calls: Calls) -> None:
+        """The key's spend counter: what this request's calls paid (booked once, at the end)."""
+        if spend.key is None:
+            return
+        paid = calls.total.cost
+        if paid:
+            self.metrics.key_spend.labels(spend.key.name).inc(paid)
+
+
+def _content(data: dict | None) -> str | None:
+    try:
+        content = data["choices"][0]["message"]["content"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return content if isinstance(content, str) else None
+
+
+def _logprobs(data: dict) -> list[float] | None:
+    try:
+        content = data["choices"][0]["logprobs"]["content"]
+        lps = [float(t["logprob"]) for t in content]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return lps or None
+
+
+def _completion_tokens(data: dict) -> int:
+    usage = data.get("usage")
+    v = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return v if isinstance(v, int) and v >= 0 else 0
+
+
+def _usage(total: Usage) -> dict:
+    return {"prompt_tokens": total.prompt_tokens, "completion_tokens": total.completion_tokens,
+            "total_tokens": total.total_tokens, "cost_usd": total.cost}
