@@ -81,5 +81,11 @@ class GatewayMetrics:
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 
+    def answered(self, model: str, cost_usd: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """One upstream answer's realised cost and tokens."""
+        self.cost.labels(model).inc(cost_usd)
+        self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        self.tokens.labels(model, "completion").inc(completion_tokens)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,7 +40,16 @@ from gateway.api.parse import CompletionRequest
 from gateway.api.sse import DONE, json_event
 from gateway.config import Config, Instance
 from gateway.metrics import GatewayMetrics
-from gateway.relay import STREAM_HEADERS, Costing, RelayResult, UpstreamFailed, client_error, open_upstream, relay_full
+from gateway.relay import (
+    STREAM_HEADERS,
+    Costing,
+    RelayResult,
+    UpstreamFailed,
+    client_error,
+    open_upstream,
+    relay_full,
+    upstream_timeout,
+)
 from gateway.scheduling.budget import per_token
 from gateway.scheduling.ledger import PoolLedger
 from gateway.scheduling.progressive import (
@@ -131,8 +140,7 @@ class Progressive:
                     max_tokens: int, spend: RequestSpend, calls: Calls, logprobs: bool) -> dict | None:
         """One non-streamed call, reserved before and paid after; its answer's JSON, or None if it failed."""
         up = cfg.upstream
-        timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, connect=up.acquire_timeout_s + up.connect_timeout_s,
-                                        sock_connect=up.connect_timeout_s, sock_read=up.response_timeout_s)
+        timeout = upstream_timeout(up, stream=False)
         prompt_tokens = self.token_counter.count_chat(messages)
         worst = worst_case_usd(inst, prompt_tokens, max_tokens, 1)
         costing = Costing.for_instance(inst, prompt_tokens, self.token_counter.count, up.max_response_bytes,
@@ -160,19 +168,17 @@ class Progressive:
             return orjson.loads(resp.body)
         except UpstreamFailed as e:
             log.warning("progressive call on %s failed: %s", inst.name, e)
-            cost = {"nothing": 0.0, "prompt": costing.cost(prompt_tokens, 0), "all": worst}[e.spent]
+            cost = e.cost(costing, prompt_tokens, worst)
             return None
         finally:
             self.ledger.of(inst.name).done(rid)
             calls.pending[inst.name] -= 1
-            if cost is None:  # cancelled (the client left) before the answer was known: all it was allowed
-                cost = result.cost_usd if result.final and result.cost_usd is not None else worst
+            if cost is None:  # cancelled: the client left
+                cost = result.cost_when_left(worst)
             spend.pay_held(held, cost)
             calls.usages.append(Usage(result.prompt_tokens, result.completion_tokens, cost))
             if result.cost_usd is not None:
-                self.metrics.cost.labels(inst.model).inc(result.cost_usd)
-                self.metrics.tokens.labels(inst.model, "prompt").inc(result.prompt_tokens)
-                self.metrics.tokens.labels(inst.model, "completion").inc(result.completion_tokens)
+                self.metrics.answered(inst.model, result.cost_usd, result.prompt_tokens, result.completion_tokens)
 
     # ---- the request -----------------------------------------------------------------------------------
     async def serve(self, request: web.Request, session: aiohttp.ClientSession, cfg: Config,
@@ -207,12 +213,8 @@ class Progressive:
         if sketch_inst is None:
             self.fall_back("no_tiers")
             return None
-        try:
-            sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens, spend,
-                                      calls, logprobs=False)
-        except ApiError:
-            self._book(spend, calls)
-            raise
+        sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens, spend,
+                                  calls, logprobs=False)
         points = parse_points(_content(sketch) or "", limits.max_points) if sketch is not None else []
         if sketch is None or len(points) < limits.min_points:  # normal routing books what the sketch paid
             self.fall_back("sketch_failed" if sketch is None else "few_points")
@@ -271,7 +273,6 @@ class Progressive:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # each pays for its calls
-            self._book(spend, calls)
 
     async def _stream(self, request: web.Request, cfg: Config, req: CompletionRequest, points: Sequence[str],
                       tasks: list[asyncio.Task], calls: Calls, headers: dict[str, str], rid: str, created: int,
@@ -299,14 +300,6 @@ class Progressive:
         await write(DONE)
         await resp.write_eof()
         return resp
-
-    def _book(self, spend: RequestSpend, calls: Calls) -> None:
-        """The key's spend counter: what this request's calls paid (booked once, at the end)."""
-        if spend.key is None:
-            return
-        paid = calls.total.cost
-        if paid:
-            self.metrics.key_spend.labels(spend.key.name).inc(paid)
 
 
 def _content(data: dict | None) -> str | None:

@@ -62,6 +62,10 @@ class UpstreamFailed(Exception):
         self.retry, self.blame, self.unreachable, self.spent = retry, blame, unreachable, spent
         self.no_connection = no_connection  # no connection in time: its pool was full (busy), or it is unreachable
 
+    def cost(self, costing: Costing, prompt_tokens: int, worst_usd: float) -> float:
+        """What the failed attempt is paid: by what it may have spent."""
+        return {"nothing": 0.0, "prompt": costing.cost(prompt_tokens, 0), "all": worst_usd}[self.spent]
+
 
 class AnswerTooLarge(Exception):
     """The instance's answer passed the configured size cap."""
@@ -109,6 +113,20 @@ class RelayResult:
     budget_exhausted: bool = False  # the stream was stopped because its next chunk would overspend
     usage: dict = field(default_factory=dict)  # what the client was told (or would have been)
     final: bool = False  # cost_usd is the whole attempt's: its final usage was read, or its answer counted
+
+    def cost_when_left(self, worst_usd: float) -> float:
+        """What an attempt whose handler ended without a verdict (its client left) is paid: the answer's own
+        cost once it was costed (an SDK hangs up on [DONE]), else all the attempt was allowed."""
+        return self.cost_usd if self.final and self.cost_usd is not None else worst_usd
+
+
+def upstream_timeout(up, stream: bool) -> aiohttp.ClientTimeout:
+    """The bounds of one upstream call (`up`: the config's [upstream]). A non-streamed answer sends nothing
+    until it is complete: its read timeout is the answer's whole time; a stream must keep bytes coming.
+    Waiting for a pooled connection counts against `connect`."""
+    return aiohttp.ClientTimeout(total=up.total_timeout_s, connect=up.acquire_timeout_s + up.connect_timeout_s,
+                                 sock_connect=up.connect_timeout_s,
+                                 sock_read=up.read_timeout_s if stream else up.response_timeout_s)
 
 
 def _count(usage: dict, key: str) -> int:

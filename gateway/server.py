@@ -36,6 +36,7 @@ from gateway.relay import (
     relay_full,
     relay_stream,
     upstream_payload,
+    upstream_timeout,
 )
 from gateway.scheduler import Scheduler, refusal_error
 from gateway.scheduling.ledger import PoolLedger
@@ -227,6 +228,7 @@ class Gateway:
         start = loop.time()
         attempt = Attempt()
         slo: SloCheck | None = None
+        spend: RequestSpend | None = None
         policy = cfg.scheduler.policy
         self.metrics.in_flight.inc()
         try:
@@ -283,15 +285,11 @@ class Gateway:
             finally:
                 ok = resp is not None and resp.status < 400 and not attempt.result.failed_status
                 self.scheduler.complete(ticket, Completion(ok, attempt.index, attempt.result.completion_tokens))
-                if spend.key is not None and spend.paid_usd:
-                    self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
                 # Here, not after: a streaming client may hang up right after [DONE], which cancels
                 # this handler (handler_cancellation) with the answer already costed.
                 if attempt.result.cost_usd is not None:
-                    model = cfg.instance(attempt.instance).model
-                    self.metrics.cost.labels(model).inc(attempt.result.cost_usd)
-                    self.metrics.tokens.labels(model, "prompt").inc(attempt.result.prompt_tokens)
-                    self.metrics.tokens.labels(model, "completion").inc(attempt.result.completion_tokens)
+                    self.metrics.answered(cfg.instance(attempt.instance).model, attempt.result.cost_usd,
+                                          attempt.result.prompt_tokens, attempt.result.completion_tokens)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
@@ -311,6 +309,9 @@ class Gateway:
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, attempt.instance, str(attempt.status)).inc()
+            # Whatever the request paid, on any path (a progressive request's calls, a sketch before a fallback).
+            if spend is not None and spend.key is not None and spend.paid_usd:
+                self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
             if slo is not None and slo.any:
                 self._count_slo(slo, policy, attempt)
 
@@ -377,12 +378,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         core = self.scheduler.core
         up = cfg.upstream
-        # A non-streamed answer sends nothing until it is complete: its read timeout is the
-        # answer's whole time; a stream must keep bytes coming. Waiting for a pooled
-        # connection counts against `connect`.
-        timeout = aiohttp.ClientTimeout(total=up.total_timeout_s, connect=up.acquire_timeout_s + up.connect_timeout_s,
-                                        sock_connect=up.connect_timeout_s,
-                                        sock_read=up.read_timeout_s if req.stream else up.response_timeout_s)
+        timeout = upstream_timeout(up, req.stream)
         routed, decision = ticket.request, ticket.decision
         failure: UpstreamFailed | None = None
         attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
@@ -447,7 +443,7 @@ class Gateway:
                 busy = len(self.ledger.of(instance.name).in_flight) > up.max_connections_per_instance
                 if e.blame or (e.no_connection and not busy):
                     core.attempt_failed(ticket, plan, loop.time(), e.unreachable)
-                cost = {"nothing": 0.0, "prompt": costing.cost(routed.input_tokens, 0), "all": worst}[e.spent]
+                cost = e.cost(costing, routed.input_tokens, worst)
                 if e.unreachable:  # the request never reached it: trying the next costs no retry
                     continue
                 failed += 1
@@ -456,12 +452,9 @@ class Gateway:
             finally:
                 if attempt.evicted:  # aborted by the gateway before any answer: its prompt was read
                     cost = costing.cost(routed.input_tokens, 0)
-                elif cost is None and result.final and result.cost_usd is not None:
-                    # The client left once the answer was costed (an SDK hangs up on [DONE], which cancels
-                    # this handler while the stream closes): the answer's own cost.
-                    cost = result.cost_usd
-                # Unknown (the client left before the answer was known): all the attempt was allowed.
-                spend.pay(cost if cost is not None else worst)
+                elif cost is None:  # the client left (an SDK hangs up on [DONE], cancelling this handler)
+                    cost = result.cost_when_left(worst)
+                spend.pay(cost)
         if failure is not None:
             raise ApiError(failure.status, str(failure))
         if any(core.ledger.routable(cfg.instances[i].name, loop.time()) for i in decision.ranked):

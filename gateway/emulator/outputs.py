@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.workload import MAX_OUTPUT_TOKENS, Record, prompt_key
-from gateway.workload.progressive import parse_expansion_prompt, parse_sketch_prompt
+from gateway.workload.progressive import original_question, parse_expansion_prompt, parse_sketch_prompt
 from gateway.workload.records import UNKNOWN_KIND
 
 LOG_SIGMA = 0.8  # spread of answer lengths around the model's mean (log-normal)
@@ -156,5 +156,5 @@ def filler_text(seed: int, start: int, count: int) -> str:
 
 def _question(text: str) -> str:
     """The prompt whose labels apply: a progressive prompt's question, else the prompt itself."""
-    parsed = parse_sketch_prompt(text) or parse_expansion_prompt(text)
-    return parsed.question if parsed is not None else text
+    question = original_question(text)
+    return text if question is None else question
