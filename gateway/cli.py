@@ -170,7 +170,7 @@ def add_offline_commands(sub) -> None:
     p.add_argument("--config", type=Path, default=default_config_path(), help=config_help)
     p.add_argument("--sweep",
                    help="run a named sweep instead of one cell: frontier, arms, budget, batching, robustness, "
-                        "qlm, qlm_cap, qlm_multi, qos, staleness, eldr")
+                        "qlm, qlm_cap, qlm_multi, qos, staleness, eldr, progressive")
     p.add_argument("--requests", type=int,
                    help="held-out prompts per cell (default 2500, the staleness sweep 1200; the paper's held-out set "
                         "is 3534; 2500 keeps the five sweeps at five seeds near 27 minutes on two cores, 3534 near 36)")
@@ -207,6 +207,9 @@ def add_offline_commands(sub) -> None:
                    help="one cell: also run these policies (comma-separated; `balancers`: round robin, shortest "
                         "queue and power of two choices) on the same prompts and arrivals, and print a table with "
                         "paired differences against --policy (TPOT, E2E)")
+    p.add_argument("--progressive", action="store_true",
+                   help="one cell: every request asks for progressive mode (PICE: the largest tier sketches, the "
+                        "cheapest models expand; [progressive] sets the limits and the fallback rule)")
     p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
     p.add_argument("--replicas", type=int, default=1,
                    help="one cell: gateway replicas behind a round-robin balancer, sharing their in-flight work")
@@ -381,7 +384,9 @@ def cmd_sim(args) -> int:
                     budget_share=args.budget_share, model=args.model, models=models, slos=parse_slo_mix(args.slos),
                     tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
                     mega_share=args.mega_share, stream_below_s=BATCH_SLO_S, replicas=args.replicas,
-                    sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000)
+                    sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000, progressive=args.progressive)
+    if args.progressive:
+        tags |= {"mode": "progressive"}
     if args.replicas > 1:
         from gateway.sim.replicas import sharing_mode
 

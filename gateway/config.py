@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from gateway.config_schema import ConfigError, Section, build_section, option, section, set_normalised
 from gateway.scheduling.policies import registry
+from gateway.scheduling.progressive import FallbackRule, ProgressiveLimits
 
 __all__ = [
     "DEFAULT_PRESETS",
@@ -352,6 +353,34 @@ class Estimators(Section):
 
 
 @section
+class Progressive(Section):
+    """Progressive mode (PICE, `routing.mode = "progressive"`): the bounds of one request's plan, and when a
+    prompt is better answered whole (scheduling/progressive.py `FallbackRule`)."""
+
+    max_points: int = option(8, ge=1, le=16)  # points asked for (and kept) in the sketch
+    sketch_max_tokens: int = option(160, ge=8)
+    expansion_max_tokens: int = option(200, ge=8)
+    candidates: int = option(2, ge=1, le=4)  # expansions per point, on this many of the cheapest models
+    min_points: int = option(2, ge=1)  # a sketch with fewer points is answered whole
+    # short_answer: a predicted answer of the largest tier under this many tokens is answered whole
+    # (0: never; live, the prediction is the estimators' KNN length).
+    min_answer_tokens: int = option(200, ge=0)
+    fact_max_words: int = option(15, ge=0)  # single_fact: a question this short opening "what/who/when..."
+    fact_max_answer_tokens: int = option(400, ge=0)  # ... whose predicted answer is at most this long
+
+    def _validate(self) -> None:
+        if self.min_points > self.max_points:
+            raise ConfigError(f"must not exceed max_points ({self.max_points})", "min_points")
+
+    def limits(self) -> ProgressiveLimits:
+        return ProgressiveLimits(self.max_points, self.sketch_max_tokens, self.expansion_max_tokens, self.candidates,
+                                 self.min_points)
+
+    def rule(self) -> FallbackRule:
+        return FallbackRule(self.min_answer_tokens, self.fact_max_words, self.fact_max_answer_tokens)
+
+
+@section
 class Emulator(Section):
     tick_s: float = option(0.01, gt=0)
     seed: int = 0
@@ -450,6 +479,7 @@ class Config(Section):
     telemetry: Telemetry = Telemetry()
     estimators: Estimators = Estimators()
     emulator: Emulator = Emulator()
+    progressive: Progressive = Progressive()
     instances: tuple[Instance, ...] = option()
     # [policies.<table>]: each policy's own options, checked by the section its
     # module registered (parse_config builds them; a table left out has its defaults).

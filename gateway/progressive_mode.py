@@ -2,23 +2,33 @@
 
 One request asking for `routing.mode = "progressive"` (or `X-Route-Mode: progressive`) is served as:
 
-1. the fallback rule (scheduling/progressive.py `fallback_reason`): code, single facts, empty prompts
-   go through normal routing, counted in `routebalance_progressive_requests{result=<reason>}`;
+1. the fallback rule (scheduling/progressive.py `fallback_reason`, limits in the config's [progressive]):
+   code, single facts, empty prompts, and prompts whose predicted answer on the largest tier (the
+   estimators' KNN length, one embedding) is short go through normal routing, as do requests the mode
+   cannot serve (tools, media, a last turn that is not the user's); each counted in
+   `routebalance_progressive_requests{result=<reason>}`, and the answer says so (`X-Route-Mode: normal`,
+   `X-Route-Fallback: <reason>`);
 2. the budget: the plan's worst case with one candidate per point and the most points must fit the
    request's budget and its key's remaining spend, else normal routing (which serves or refuses, 402);
 3. one sketch call on the pool's largest tier (the model with the highest price), its least-loaded
-   routable instance; a sketch of fewer than `min_points` points, or a failed sketch, goes through
-   normal routing (its cost stays booked);
+   routable instance (a failed sketch is tried once more on another); a sketch of fewer than
+   `min_points` points, or a sketch failed twice, goes through normal routing (its cost stays booked,
+   and `X-Route-Fallback-Cost-USD` says how much);
 4. one expansion call per point and candidate, all in parallel, on the cheapest models (candidate k
    on the k-th cheapest, so candidates differ), each asking for logprobs; each point keeps its most
    confident expansion (mean token logprob); a point whose every candidate failed keeps the sketch's
    own words (`routebalance_progressive_points{result="sketch_text"}`);
 5. the answer: one chat.completion, or a stream that sends the points in order as each is ready.
 
+The sketch and every expansion carry the request's system prompt and earlier turns before their own
+prompt, which replaces the last user turn.
+
 Money: every upstream call reserves its worst case against the key before it goes and pays its real
 cost when it ends (a call the key cannot cover is dropped, like a failed one); the answer's usage is
 the sum over every call (the sketch and every candidate), with `cost_usd`, which is what the key is
-booked. The upstream calls themselves are never streamed (the client's stream is the gateway's).
+booked. The upstream calls themselves are never streamed (the client's stream is the gateway's), and
+they bypass the scheduler and its policies (least loaded among a model's instances instead) and the SLO
+accounting (the README's "Not yet").
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -54,9 +64,7 @@ from gateway.scheduling.budget import per_token
 from gateway.scheduling.ledger import PoolLedger
 from gateway.scheduling.progressive import (
     Candidate,
-    FallbackRule,
     Price,
-    ProgressiveLimits,
     Usage,
     answer_part,
     assemble,
@@ -67,6 +75,7 @@ from gateway.scheduling.progressive import (
     parse_points,
     plan_calls,
     sum_usage,
+    tiers,
 )
 from gateway.tokens import TokenCounter
 from gateway.workload.progressive import (
@@ -80,6 +89,7 @@ from gateway.workload.progressive import (
 log = logging.getLogger("routebalance.progressive")
 CHAT_PATH = "/v1/chat/completions"
 PROGRESSIVE = "progressive"  # the counter's label for a request served progressively
+SKETCH_ATTEMPTS = 2  # a failed sketch is tried once more, on another instance of the largest tier
 
 
 @dataclass(slots=True)
@@ -94,27 +104,51 @@ class Calls:
         return sum_usage(self.usages)
 
 
-class Progressive:
-    """Serves progressive requests through the gateway's session, pool ledger and metrics."""
+@dataclass(frozen=True, slots=True)
+class FellBack:
+    """A progressive request to be routed normally: why, and what its sketch already cost (booked)."""
 
-    def __init__(self, ledger: PoolLedger, metrics: GatewayMetrics, token_counter: TokenCounter,
-                 limits: ProgressiveLimits | None = None, rule: FallbackRule | None = None):
+    reason: str
+    paid_usd: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        """What the normally routed answer says of it."""
+        out = {"X-Route-Mode": "normal", "X-Route-Fallback": self.reason}
+        if self.paid_usd:
+            out["X-Route-Fallback-Cost-USD"] = f"{self.paid_usd:.10f}"
+        return out
+
+
+class Progressive:
+    """Serves progressive requests through the gateway's session, pool ledger and metrics; the limits and the
+    fallback rule are the config's [progressive], read per request."""
+
+    def __init__(self, ledger: PoolLedger, metrics: GatewayMetrics, token_counter: TokenCounter, estimators=None):
         self.ledger = ledger
         self.metrics = metrics
         self.token_counter = token_counter
-        self.limits = limits or ProgressiveLimits()
-        self.rule = rule or FallbackRule()
+        self.estimators = estimators  # estimators.bundle.Estimators (the short-answer rule's length), or None
 
-    def fall_back(self, reason: str) -> None:
+    def fall_back(self, reason: str, paid_usd: float = 0.0) -> FellBack:
         self.metrics.progressive.labels(reason).inc()
         log.info("progressive request served normally: %s", reason)
+        return FellBack(reason, paid_usd)
+
+    async def predicted_tokens(self, question: str, model: str) -> float | None:
+        """The estimators' predicted answer length of `model` (None: not built, or a model without labels).
+        One embedding, in the default executor: the event loop never waits on it."""
+        if self.estimators is None:
+            return None
+        est = await asyncio.get_running_loop().run_in_executor(None, self.estimators.estimate, [question])
+        return float(est.length[0, est.models.index(model)]) if model in est.models else None
 
     # ---- where the calls go ----------------------------------------------------------------------------
-    def _pick(self, cfg: Config, model: str, calls: Calls, now: float) -> Instance | None:
-        """The least-loaded routable instance of `model` (the gateway's requests on it, this one's calls too)."""
+    def _pick(self, cfg: Config, model: str, calls: Calls, now: float, tried: Collection[str] = ()) -> Instance | None:
+        """The least-loaded routable instance of `model` (the gateway's requests on it, this one's calls too),
+        other than those `tried`."""
         best, best_load = None, 0.0
         for inst in cfg.instances:
-            if inst.model != model or not self.ledger.routable(inst.name, now):
+            if inst.model != model or inst.name in tried or not self.ledger.routable(inst.name, now):
                 continue
             state = self.ledger.of(inst.name)
             load = len(state.in_flight) + state.others.requests + calls.pending.get(inst.name, 0)
@@ -122,18 +156,10 @@ class Progressive:
                 best, best_load = inst, load
         return best
 
-    @staticmethod
-    def tiers(cfg: Config, now_routable) -> tuple[str, list[str]] | None:
-        """The sketch model (the highest-priced routable model) and the expansion models (the cheapest others,
-        cheapest first); None when the pool has no two routable models."""
-        price: dict[str, tuple[float, float]] = {}
-        for inst in cfg.instances:
-            if now_routable(inst.name):
-                price.setdefault(inst.model, (inst.price_output_per_mtok, inst.price_input_per_mtok))
-        if len(price) < 2:
-            return None
-        ordered = sorted(price, key=lambda m: price[m])
-        return ordered[-1], ordered[:-1]
+    def tiers(self, cfg: Config, now: float) -> tuple[str, list[str]] | None:
+        """The sketch model and the expansion models among the routable ones (scheduling/progressive.py)."""
+        return tiers({inst.model: (inst.price_output_per_mtok, inst.price_input_per_mtok)
+                      for inst in cfg.instances if self.ledger.routable(inst.name, now)}, cfg.progressive.candidates)
 
     # ---- one upstream call -----------------------------------------------------------------------------
     async def _call(self, session: aiohttp.ClientSession, cfg: Config, inst: Instance, messages: list[dict],
@@ -182,45 +208,52 @@ class Progressive:
 
     # ---- the request -----------------------------------------------------------------------------------
     async def serve(self, request: web.Request, session: aiohttp.ClientSession, cfg: Config,
-                    req: CompletionRequest, spend: RequestSpend) -> web.StreamResponse | None:
-        """The progressive answer, or None when the request is to go through normal routing (counted)."""
-        limits, question = self.limits, req.prompt_text
-        reason = fallback_reason(question, None, self.rule)  # no cheap large-tier length estimate here
-        if reason is not None:
-            self.fall_back(reason.value)
-            return None
+                    req: CompletionRequest, spend: RequestSpend) -> web.StreamResponse | FellBack:
+        """The progressive answer, or why the request is to be routed normally (counted)."""
+        limits, question = cfg.progressive.limits(), req.prompt_text
+        history = _history(req)
+        if history is None:
+            return self.fall_back("unsupported")
         loop = asyncio.get_running_loop()
-        tiers = self.tiers(cfg, lambda name: self.ledger.routable(name, loop.time()))
-        if tiers is None:
-            self.fall_back("no_tiers")
-            return None
-        large, small = tiers
-        small = small[:limits.candidates]
+        picked = self.tiers(cfg, loop.time())
+        if picked is None:
+            return self.fall_back("no_tiers")
+        large, small = picked
+        predicted = await self.predicted_tokens(question, large) if question.split() else None
+        reason = fallback_reason(question, predicted, cfg.progressive.rule())
+        if reason is not None:
+            return self.fall_back(reason.value)
         prices = {inst.model: Price(per_token(inst.price_input_per_mtok), per_token(inst.price_output_per_mtok))
                   for inst in cfg.instances}
-        sketch_messages = [{"role": "user", "content": sketch_prompt(question, limits.max_points)}]
+        sketch_messages = [*history, {"role": "user", "content": sketch_prompt(question, limits.max_points)}]
         tokens = {"sketch": self.token_counter.count_chat(sketch_messages),
                   # the expansion prompt carries the question and a skeleton of at most sketch_max_tokens,
                   # renumbered ("N. " per point)
-                  "expand": self.token_counter.count_chat(
-                      [{"role": "user", "content": EXPANSION_HEAD + SKELETON_MARK + QUESTION_MARK + question}])
+                  "expand": self.token_counter.count_chat([*history, {
+                      "role": "user", "content": EXPANSION_HEAD + SKELETON_MARK + QUESTION_MARK + question}])
                   + limits.sketch_max_tokens + 3 * limits.max_points}
         if candidates_within(large, small, tokens, prices, spend.budget_left(), limits) == 0:
-            self.fall_back("budget")
-            return None
+            return self.fall_back("budget")
         calls = Calls()
-        sketch_inst = self._pick(cfg, large, calls, loop.time())
-        if sketch_inst is None:
-            self.fall_back("no_tiers")
-            return None
-        sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens, spend,
-                                  calls, logprobs=False)
+        sketch, tried = None, []
+        while sketch is None and len(tried) < SKETCH_ATTEMPTS:
+            sketch_inst = self._pick(cfg, large, calls, loop.time(), tried)
+            if sketch_inst is None:
+                break
+            tried.append(sketch_inst.name)
+            try:
+                sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens,
+                                          spend, calls, logprobs=False)
+            except ApiError:  # the key cannot cover it now (others spent meanwhile): normal routing decides
+                break
+        if not tried:
+            return self.fall_back("no_tiers")
         points = parse_points(_content(sketch) or "", limits.max_points) if sketch is not None else []
-        if sketch is None or len(points) < limits.min_points:  # normal routing books what the sketch paid
-            self.fall_back("sketch_failed" if sketch is None else "few_points")
-            return None
-        prompts = [expansion_prompt(question, points, p) for p in range(1, len(points) + 1)]
-        tokens["expand"] = max(self.token_counter.count_chat([{"role": "user", "content": p}]) for p in prompts)
+        if sketch is None or len(points) < limits.min_points:  # normal routing; the sketch stays paid
+            return self.fall_back("sketch_failed" if sketch is None else "few_points", calls.total.cost)
+        prompts = [[*history, {"role": "user", "content": expansion_prompt(question, points, p)}]
+                   for p in range(1, len(points) + 1)]
+        tokens["expand"] = max(self.token_counter.count_chat(p) for p in prompts)
         n_cand = 1
         for c in range(limits.candidates, 0, -1):
             plan = plan_calls(large, small, len(points), limits, candidates=c)[1:]  # the sketch is paid
@@ -236,8 +269,8 @@ class Progressive:
                 if inst is None:
                     return None
                 try:
-                    data = await self._call(session, cfg, inst, [{"role": "user", "content": prompts[index]}],
-                                            limits.expansion_max_tokens, spend, calls, logprobs=True)
+                    data = await self._call(session, cfg, inst, prompts[index], limits.expansion_max_tokens, spend,
+                                            calls, logprobs=True)
                 except ApiError:  # the key cannot cover this candidate: dropped
                     return None
                 if data is None:
@@ -256,7 +289,7 @@ class Progressive:
 
         tasks = [loop.create_task(expand(i)) for i in range(len(points))]
         headers = {"X-Route-Mode": PROGRESSIVE, "X-Route-Points": str(len(points)), "X-Route-Model": large,
-                   "X-Route-Instance": sketch_inst.name, "X-Route-Candidates": str(n_cand)}
+                   "X-Route-Instance": tried[-1], "X-Route-Candidates": str(n_cand)}
         rid, created = f"chatcmpl-prog-{uuid.uuid4().hex}", int(time.time())
         try:
             if req.stream:
@@ -300,6 +333,16 @@ class Progressive:
         await write(DONE)
         await resp.write_eof()
         return resp
+
+
+def _history(req: CompletionRequest) -> list[dict] | None:
+    """The turns before the last user turn (system prompt, earlier exchanges), which the sketch and every
+    expansion carry before their own prompt; None when the request does not suit the mode: tools, media, or
+    a last turn that is not the user's (the answer would continue it, not answer the question)."""
+    messages = req.body["messages"]
+    if req.tools or req.has_media or messages[-1].get("role") != "user":
+        return None
+    return list(messages[:-1])
 
 
 def _content(data: dict | None) -> str | None:

@@ -25,7 +25,7 @@ from gateway.config import ApiKey, Config, ConfigStore
 from gateway.config_watch import watch_file
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.progressive_mode import Progressive
+from gateway.progressive_mode import FellBack, Progressive
 from gateway.relay import (
     Costing,
     RelayResult,
@@ -64,6 +64,7 @@ class Attempt:
     status: int = 500
     result: RelayResult = field(default_factory=RelayResult)
     evicted: bool = False  # the scheduler is aborting this attempt to serve the request again later
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's own, beside the decision's (a fallback's)
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -139,7 +140,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.scheduler = Scheduler(store, self.ledger, self.metrics, estimators, candidates_for)
         self.token_counter = TokenCounter()
-        self.progressive = Progressive(self.ledger, self.metrics, self.token_counter)
+        self.progressive = Progressive(self.ledger, self.metrics, self.token_counter, estimators)
         self.access = Access(store.current)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
         self.link: RedisLink | None = None  # [state] backend = "redis": shared with the other replicas
@@ -252,10 +253,11 @@ class Gateway:
             if req.routing.mode == "progressive":
                 assert self.session is not None
                 served = await self.progressive.serve(request, self.session, cfg, req, spend)
-                if served is not None:
+                if not isinstance(served, FellBack):
                     attempt.instance, attempt.status = "progressive", served.status
                     self.metrics.e2e.labels(route).observe(loop.time() - start)
                     return served
+                attempt.headers = served.headers()
                 budget = spend.budget_left()  # a failed sketch was paid for
             routed = RouteRequest(
                 candidates=candidates,
@@ -421,7 +423,7 @@ class Gateway:
                     core.attempt_succeeded(ticket, plan)
                     cost = 0.0
                     raise await client_error(upstream)
-                headers = decision_headers(decision, plan.max_tokens if plan.clamped else None)
+                headers = {**attempt.headers, **decision_headers(decision, plan.max_tokens if plan.clamped else None)}
                 if req.stream:
                     resp = await relay_stream(request, upstream, instance, req.include_usage, result, costing,
                                               budget_usd=budget, continuous_usage=asks_continuous_usage(req),

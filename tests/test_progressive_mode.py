@@ -27,8 +27,10 @@ def stack(tmp_path_factory, built):
     tmp = tmp_path_factory.mktemp("progressive-mode")
     keys = [{"name": "big", "sha256": hash_key(BIG), "spend_limit_usd": BIG_LIMIT},
             {"name": "tiny", "sha256": hash_key(TINY), "spend_limit_usd": 2e-6}]
+    # The length rule off: these tests' question must be sketched whatever the small build predicts for it
+    # (test_short_answer_rule_reads_the_predicted_length turns it on).
     s = Stack(pool_config(tmp, built[0].estimators.models_dir, auth={"keys": keys},
-                          state={"path": str(tmp / "state.db")}))
+                          state={"path": str(tmp / "state.db")}, progressive={"min_answer_tokens": 0}))
     s.wait_routable()
     yield s
     s.stop()
@@ -151,7 +153,8 @@ def test_code_prompt_falls_back_to_normal_routing(stack):
     raw = ask(client(stack), "Write a Python function that reverses a linked list in place.", extra_body=PROGRESSIVE,
               max_tokens=30)
     r = raw.parse()
-    assert "X-Route-Mode" not in raw.headers and "X-Route-Points" not in raw.headers
+    assert raw.headers["X-Route-Mode"] == "normal" and raw.headers["X-Route-Fallback"] == "code"
+    assert "X-Route-Points" not in raw.headers and "X-Route-Fallback-Cost-USD" not in raw.headers
     assert r.choices[0].message.content and r.model == raw.headers["X-Route-Model"]
     assert counter(stack, "routebalance_progressive_requests_total", result="code") == before + 1
 
@@ -228,7 +231,7 @@ def test_later_points_that_finish_first_are_held_back(stack, patched_calls):
     import asyncio
 
     async def slow_first_point(messages, logprobs, call):
-        if logprobs and "Expand point 1 " in messages[0]["content"]:
+        if logprobs and "Expand point 1 " in messages[-1]["content"]:
             await asyncio.sleep(0.6)
         return await call()
 
@@ -241,7 +244,7 @@ def test_later_points_that_finish_first_are_held_back(stack, patched_calls):
 
 def test_failed_expansions_keep_the_sketch_point_never_a_500(stack, patched_calls):
     async def second_point_fails(messages, logprobs, call):
-        if logprobs and "Expand point 2 " in messages[0]["content"]:
+        if logprobs and "Expand point 2 " in messages[-1]["content"]:
             return None  # as a failed upstream call
         return await call()
 
@@ -253,3 +256,98 @@ def test_failed_expansions_keep_the_sketch_point_never_a_500(stack, patched_call
     check_parts(parts, int(raw.headers["X-Route-Points"]))
     assert len(parts[1].split()) <= 9  # "2." and the sketch's few words (3 to 8), not an expansion
     assert counter(stack, "routebalance_progressive_points_total", result="sketch_text") == before + 1
+
+
+def test_failed_sketch_falls_back_and_says_what_it_cost(stack, patched_calls):
+    async def sketch_lost(messages, logprobs, call):
+        data = await call()  # the sketch is written, and paid for
+        return None if not logprobs else data  # then lost, as a failed call
+
+    patched_calls(sketch_lost)
+    spent_before = booked(stack, "big")
+    raw = ask(client(stack), extra_body=PROGRESSIVE, max_tokens=20)
+    r = raw.parse()
+    assert raw.headers["X-Route-Mode"] == "normal" and raw.headers["X-Route-Fallback"] == "sketch_failed"
+    sketch_cost = float(raw.headers["X-Route-Fallback-Cost-USD"])
+    assert sketch_cost > 0
+    # the key pays the sketch and the normal answer, each once
+    assert booked(stack, "big") - spent_before == pytest.approx(sketch_cost + r.usage.model_extra["cost_usd"],
+                                                                rel=1e-6, abs=1e-12)
+
+
+def test_earlier_turns_go_with_every_call(stack):
+    """The system prompt and earlier turns are part of the sketch's and every expansion's prompt."""
+    from gateway.tokens import TokenCounter
+
+    history = [{"role": "system", "content": "You answer for a history teacher's class of fifteen-year-olds."},
+               {"role": "user", "content": "We are studying Europe between 1789 and 1815."},
+               {"role": "assistant", "content": "Understood: the revolutionary and Napoleonic years."}]
+    c = client(stack)
+    plain = ask(c, extra_body=PROGRESSIVE)
+    with_history = c.chat.completions.with_raw_response.create(
+        model="auto", messages=[*history, {"role": "user", "content": QUESTION}], extra_body=PROGRESSIVE)
+    assert with_history.headers["X-Route-Mode"] == "progressive"
+    calls = 1 + int(with_history.headers["X-Route-Points"]) * int(with_history.headers["X-Route-Candidates"])
+    assert calls == 1 + int(plain.headers["X-Route-Points"]) * int(plain.headers["X-Route-Candidates"])
+    count = TokenCounter().count_chat
+    turn = [{"role": "user", "content": "any question"}]
+    per_call = count([*history, *turn]) - count(turn)
+    assert per_call > 20
+    extra = with_history.parse().usage.prompt_tokens - plain.parse().usage.prompt_tokens
+    assert extra == calls * per_call
+
+
+def test_tools_or_a_last_turn_not_the_users_fall_back(stack):
+    c = client(stack)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    raw = ask(c, extra_body=PROGRESSIVE, tools=tools, max_tokens=10)
+    assert raw.headers["X-Route-Fallback"] == "unsupported"
+    raw = c.chat.completions.with_raw_response.create(
+        model="auto", max_tokens=10, extra_body=PROGRESSIVE,
+        messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The causes were"}])
+    assert raw.headers["X-Route-Fallback"] == "unsupported" and raw.parse().choices[0].message.content
+
+
+def test_short_answer_rule_reads_the_predicted_length(stack):
+    """With the length rule on, a question whose predicted 72B answer is shorter than min_answer_tokens is
+    answered whole (the threshold here is past any answer, so every prompt's prediction is below it)."""
+    import tomllib
+
+    from conftest import dump_toml
+
+    path = stack.config_path
+    original = path.read_text()
+    data = tomllib.loads(original)
+    data["progressive"]["min_answer_tokens"] = 100_000
+    before = counter(stack, "routebalance_progressive_requests_total", result="short_answer")
+    try:
+        path.write_text(dump_toml(data))
+        assert stack.store.reload()[0]
+        raw = ask(client(stack), extra_body=PROGRESSIVE, max_tokens=10)
+        assert raw.headers["X-Route-Mode"] == "normal" and raw.headers["X-Route-Fallback"] == "short_answer"
+        assert counter(stack, "routebalance_progressive_requests_total", result="short_answer") == before + 1
+    finally:
+        path.write_text(original)
+        assert stack.store.reload()[0]
+    assert ask(client(stack), extra_body=PROGRESSIVE).headers["X-Route-Mode"] == "progressive"
+
+
+def test_a_lost_sketch_is_tried_once_more_on_the_other_72b(stack, patched_calls):
+    lost = []
+
+    async def first_sketch_lost(messages, logprobs, call):
+        data = await call()
+        if not logprobs and not lost:
+            lost.append(1)
+            return None  # paid, then lost
+        return data
+
+    patched_calls(first_sketch_lost)
+    before = served(stack)
+    raw = ask(client(stack), extra_body=PROGRESSIVE)
+    r = raw.parse()
+    after = served(stack)
+    assert raw.headers["X-Route-Mode"] == "progressive" and lost
+    k, cands = int(raw.headers["X-Route-Points"]), int(raw.headers["X-Route-Candidates"])
+    assert after["requests"] - before["requests"] == 2 + k * cands  # both sketches, then the expansions
+    assert r.usage.completion_tokens == after["generation"] - before["generation"]  # the lost one counts too

@@ -10,11 +10,10 @@ an unknown prompt has none (it routes uniformly).
 Progressive mode's prompts (gateway/workload/progressive.py) are answered as
 the model would answer them, from the original question's labels:
 
-- a sketch request gets numbered points, one per POINT_TOKENS of the model's
-  labelled answer length (SKETCH_MIN_POINTS..SKETCH_MAX_POINTS, never more
-  than the request allows), each "N." plus 3-6 words;
+- a sketch request gets numbered points (how many and how long:
+  workload/progressive.py, which the simulator reads too);
 - an expansion request gets the model's labelled length divided by the
-  skeleton's point count (at least MIN_EXPANSION_TOKENS).
+  skeleton's point count.
 
 An unknown question falls back to the usual length model, as any prompt does.
 """
@@ -27,7 +26,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.workload import MAX_OUTPUT_TOKENS, Record, prompt_key
-from gateway.workload.progressive import original_question, parse_expansion_prompt, parse_sketch_prompt
+from gateway.workload.progressive import (
+    expansion_tokens,
+    original_question,
+    parse_expansion_prompt,
+    parse_sketch_prompt,
+    sketch_points,
+    sketch_words,
+)
 from gateway.workload.records import UNKNOWN_KIND
 
 LOG_SIGMA = 0.8  # spread of answer lengths around the model's mean (log-normal)
@@ -40,10 +46,6 @@ _WORDS = (
     "value model answer request system result data point case number state order process example"
 ).split()
 _TOKENS = tuple(" " + w for w in _WORDS)
-
-POINT_TOKENS = 70  # one sketch point per this many tokens of the labelled answer
-SKETCH_MIN_POINTS, SKETCH_MAX_POINTS = 3, 8
-MIN_EXPANSION_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,19 +68,12 @@ class Answer:
         return "".join(self.token_strings(start, count))
 
 
-def sketch_points(answer_tokens: int, max_points: int) -> int:
-    """How many points a model's sketch has for an answer of `answer_tokens` tokens."""
-    k = min(SKETCH_MAX_POINTS, max(SKETCH_MIN_POINTS, round(answer_tokens / POINT_TOKENS)))
-    return max(1, min(k, max_points))
-
-
 def sketch_pieces(points: int, seed: int) -> tuple[str, ...]:
     """A sketch's tokens: "1." then 3-6 words, "\n2." then 3-6 words, ..."""
     pieces: list[str] = []
     for j in range(1, points + 1):
         pieces.append(f"{j}." if j == 1 else f"\n{j}.")
-        words = 3 + (seed + 5 * j) % 4
-        pieces.extend(_TOKENS[(seed + 11 * j + 3 * w) % len(_TOKENS)] for w in range(words))
+        pieces.extend(_TOKENS[(seed + 11 * j + 3 * w) % len(_TOKENS)] for w in range(sketch_words(j, seed)))
     return tuple(pieces)
 
 
@@ -132,8 +127,8 @@ class OutputLengths:
             return Answer(len(pieces), text_seed, pieces)
         expansion = parse_expansion_prompt(text)
         if expansion is not None:
-            share = self.for_prompt(expansion.question, model) / len(expansion.points)
-            return Answer(max(MIN_EXPANSION_TOKENS, round(share)), text_seed)
+            return Answer(expansion_tokens(self.for_prompt(expansion.question, model), len(expansion.points)),
+                          text_seed)
         return Answer(self.for_prompt(text, model), text_seed)
 
     def for_prompt(self, text: str, model: str) -> int:

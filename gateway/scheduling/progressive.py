@@ -8,6 +8,7 @@ the calls. The prompts themselves are gateway/workload/progressive.py.
 
 - `fallback_reason`: which prompts go through normal routing instead, and why.
 - `parse_points`: a sketch answer into its points.
+- `tiers`: which model sketches and which expand.
 - `plan_calls`, `check_budget`, `candidates_within`: the calls and their worst-case cost.
 - `choose`: one point's expansion among candidates.
 - `answer_part`, `assemble`: the final text, in point order (the same pieces a stream sends).
@@ -229,6 +230,16 @@ class ProgressiveLimits:
     expansion_max_tokens: int = 200
     candidates: int = 2  # expansions per point, at most
     min_points: int = 2  # a sketch with fewer points is answered whole (normal routing)
+
+
+def tiers(prices: Mapping[str, tuple[float, float]], expanders: int) -> tuple[str, list[str]] | None:
+    """The sketch model and the expansion models among `prices` (model -> (output, input) price): the
+    highest-priced model (the largest tier) sketches; the `expanders` cheapest others expand, cheapest
+    first. None when there are not two models."""
+    if len(prices) < 2:
+        return None
+    ordered = sorted(prices, key=lambda m: prices[m])
+    return ordered[-1], ordered[:-1][:max(1, expanders)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,10 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
     - decode_tpot_mean / _p50 / _p99: time per output token while decoding (first token to last, over the
       tokens after the first; vLLM's and ELDR's TPOT), over the served requests of two tokens or more;
     - qos: mean over every request of quality x [time per token <= its bound] (QoS paper Eq. 1;
-      refused: 0); NaN when no request has a bound.
+      refused: 0); NaN when no request has a bound;
+    - progressive cells only: progressive_share (requests served progressively), quality_floor (quality
+      if the expansions' models decide it, sim/progressive.py) and fallback_<reason> (share routed
+      normally for that reason, `normal` included).
     """
     served = [o for o in outcomes if o.instance >= 0]
     if not outcomes:
@@ -78,6 +81,12 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
         row[f"ttft_p{p}"] = _pct(ttft, p)
         row[f"residual_p{p}"] = _pct(residual, p)
     row["e2e_p90"] = _pct(e2e, 90)
+    modes = Counter(o.mode for o in outcomes)
+    if set(modes) != {"normal"}:  # progressive cells (sim/progressive.py)
+        row["progressive_share"] = modes["progressive"] / len(outcomes)
+        row["quality_floor"] = float(np.mean([o.quality if math.isnan(o.quality_floor) else o.quality_floor
+                                              for o in outcomes]))
+        row |= {f"fallback_{m}": c / len(outcomes) for m, c in sorted(modes.items()) if m != "progressive"}
     return row
 
 

@@ -428,6 +428,41 @@ def _condition(row: dict) -> str:
     return f"{row['arrivals']}\n{', '.join(m.split('/')[-1] for m in row['down'].split(','))} down"
 
 
+PROGRESSIVE_COLOURS = {"cloud-only": "tab:red", "progressive": "tab:blue", "routing": "tab:grey",
+                       "progressive + routing": "tab:purple", "progressive, any length": "tab:cyan"}
+
+
+def progressive(rows: list[dict], out_dir: Path) -> list[Path]:
+    """PICE's sweep: progressive.png, mean E2E and TTFT against the load for each system, and each one's
+    throughput and mean cost under the burst."""
+    plt = _pyplot()
+    curve = [r for r in rows if r["load"] == "curve"]
+    burst = [r for r in rows if r["load"] == "burst"]
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5.2))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        colour = PROGRESSIVE_COLOURS.get(label, "k")
+        mine = [r for r in curve if r["label"] == label]
+        for ax, figure in zip(axes[:2], ("e2e_mean", "ttft_mean"), strict=True):
+            _band(ax, mine, "rate", figure, colour, "-" if label.startswith("progressive") else "--", label)
+    axes[0].set(xlabel="arrivals (req/s)", ylabel="s", title="mean end-to-end latency")
+    axes[1].set(xlabel="arrivals (req/s)", ylabel="s", title="mean time to first token (streamed)")
+    labels = [r["label"] for r in burst]
+    colours = [PROGRESSIVE_COLOURS.get(label, "k") for label in labels]
+    for ax, figure, scale, title in ((axes[2], "throughput", 1.0, f"throughput under a burst of "
+                                      f"{burst[0]['rate']:g} req/s (req/s)" if burst else "throughput"),
+                                     (axes[3], "cost_mean", 1e6, "mean cost per request (micro-USD)")):
+        points = _scaled(burst, figure, scale)
+        ax.bar(range(len(points)), [p["y"] for p in points], yerr=_err(points, "y"), color=colours, capsize=3)
+        ax.set_xticks(range(len(points)), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize=9, bbox_to_anchor=(0.5, 0.95))
+    fig.suptitle("Progressive mode (PICE) against normal routing on the default pool; 95% intervals", fontsize=10,
+                 y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
+    return [_save(fig, out_dir / "progressive.png")]
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -456,4 +491,6 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path, pairs: Sequence[dict]
         return staleness(list(pairs), out_dir)
     if name == "eldr":
         return eldr(rows, out_dir)
+    if name == "progressive":
+        return progressive(rows, out_dir)
     return []

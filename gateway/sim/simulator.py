@@ -24,11 +24,17 @@ round-robin balancer: each is a `Replica` (its own loop, ledger, policies,
 scrapes and batches), all dispatch to the same engines, and they share their
 in-flight accounting late through replicas.SharedState. One replica is the
 R = 1 case of the same code: nothing is shared and no sync tick comes.
+
+In a progressive cell (`CellSpec.progressive`, PICE) a request the fallback
+rule admits is a sketch on the largest tier; its expansions are requests of
+their own, arriving when the sketch ends, and its outcome is folded from
+theirs (sim/progressive.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -46,6 +52,7 @@ from gateway.scheduling.slo import check_slo_mix, slo_class
 from gateway.scheduling.view import PoolView
 from gateway.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.sim.evalset import EvalSet
+from gateway.sim.progressive import Plans, fold, plan_all, row_lengths
 from gateway.sim.replicas import SharedState, replica_of
 
 DEFAULT_MAX_TOKENS = 1024  # what each simulated client asks for, like the paper's harness
@@ -87,9 +94,14 @@ class CellSpec:
     replicas: int = 1
     sync_interval_s: float = 0.25
     staleness_s: float = 0.0
+    # Every request asks for progressive mode (PICE; sim/progressive.py), with the config's [progressive].
+    progressive: bool = False
 
     def __post_init__(self):
         check_slo_mix(self.slos)
+        if self.progressive and (self.budget_share or self.slos or self.mega_share or self.models
+                                 or self.tpot_slo_s is not None):
+            raise ValueError("progressive cells carry no budgets, SLOs, mega prompts or model mixes")
         SharedState(self.replicas, self.sync_interval_s, self.staleness_s)  # refuses what cannot be
         if self.models and (self.model is not None or abs(sum(w for _, w in self.models) - 1) > 1e-9
                             or any(w < 0 for _, w in self.models)):
@@ -115,6 +127,8 @@ class Outcome:
     slo_class: str = "none"
     tpot_slo_s: float | None = None  # its bound on time per output token
     evictions: int = 0  # times its policy aborted it on an instance and held it again
+    mode: str = "normal"  # progressive cells: "progressive", or why it was routed normally (the fallback rule)
+    quality_floor: float = math.nan  # progressive: the chosen expansions' mean judged quality
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +245,14 @@ class Simulation:
         mega = megas(spec, len(ev))
         prompt_tokens = np.where(mega, spec.mega_tokens[0], ev.prompt_tokens)
         self.label_length = np.where(mega[:, None], spec.mega_tokens[1], ev.label_length)
+        # Per row: the client requests, then (progressive cells) the expansions of their sketches.
+        self.plans = (plan_all(ev.prompts, prompt_tokens, self.label_length, ev.length, instances,
+                               cfg.progressive.limits(), cfg.progressive.rule()) if spec.progressive else None)
+        self.parent = self.plans.parent if self.plans else np.arange(len(ev))
+        self.predicted, self.judged = ev.length, ev.label_score
+        if self.plans:
+            self.label_length, self.predicted = row_lengths(self.plans, self.label_length, ev.length, instances)
+            self.judged = ev.label_score[self.parent]
         budget_of = budgets(spec, prompt_tokens)
         slo_of = slos(spec, len(ev))
         class_of = [slo_class(s, cfg.slo.classes) for s in slo_of]
@@ -242,6 +264,10 @@ class Simulation:
                                             tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r]),
                                named[r] or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
                                config=cfg, handle=r) for r in range(len(ev))]
+        if self.plans:
+            self._progressive_rows(self.plans, serving)
+        self.spawned: list[tuple[float, int]] = []  # expansions whose sketch has ended: (arrival, row), a heap
+        self.sketching: set[int] = set()  # sketch rows on an instance, not yet seen ending
         self.sequences: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), every one dispatched
         self.parked: dict[int, int] = {}  # evicted requests whose KV cache waits in an instance's host memory
         self.batches: list[int] = []
@@ -256,10 +282,31 @@ class Simulation:
         self.warming = policy.overrides("warm") and any(gpu.shared for gpu in self.gpus)
         self.evicting = policy.overrides("evict")
 
+    def _progressive_rows(self, plans: Plans, serving: dict) -> None:
+        """Progressive requests' sketch tickets (in place of their own) and their expansions' tickets and outcomes
+        (arriving when their sketch ends)."""
+        cfg, spec, limits = self.cfg, self.spec, plans.limits
+
+        def named(model: str) -> tuple[int, ...]:
+            return serving.get(model) or tuple(k for k, inst in enumerate(self.instances) if inst.model == model)
+
+        def ticket(row: int, model: str, prompt_tokens: int, max_tokens: int) -> Ticket:
+            request = RouteRequest(named(model), self.ev.prompts[self.parent[row]], prompt_tokens, max_tokens,
+                                   spec.weights, None, spec.policy)
+            return Ticket(request, model, streaming=False, config=cfg, handle=row)
+
+        for r, plan in plans.plans.items():
+            self.outcomes[r].prompt_tokens = plan.sketch_prompt_tokens
+            self.tickets[r] = ticket(r, plans.large, plan.sketch_prompt_tokens, limits.sketch_max_tokens)
+            for e in plan.expansions:
+                self.outcomes.append(Outcome(math.nan, prompt_tokens=plan.expand_prompt_tokens))
+                self.tickets.append(ticket(e.row, e.model, plan.expand_prompt_tokens, limits.expansion_max_tokens))
+
     # ---- the engines --------------------------------------------------------------------------
     def estimate(self, batch: list[Ticket]) -> Estimates:
         rows = [t.handle for t in batch]
-        return Estimates(self.ev.quality[rows], self.ev.length[rows], self.ev.embeddings[rows])
+        own = self.parent[rows]
+        return Estimates(self.ev.quality[own], self.predicted[rows], self.ev.embeddings[own])
 
     def advance(self, t: float) -> None:
         for gpu in self.gpus:
@@ -333,7 +380,9 @@ class Simulation:
         for ticket, (d, _) in zip(batch, decided, strict=True):
             if d.ranked and d.ranked[0] in self.down:
                 self.ranked_down.append(ticket.handle)  # the policy put a known-down instance first
-        compute = self.ev.cost.estimate_s(len(batch)) if rep.policy.needs_estimates else 0.0
+        # Progressive expansions reuse their question's estimates: only the client requests are embedded.
+        embedded = sum(1 for ticket in batch if ticket.handle < len(self.ev))
+        compute = self.ev.cost.estimate_s(embedded) if rep.policy.needs_estimates and embedded else 0.0
         compute += rep.policy.compute_s(len(batch), self.ev.cost)
         return t + compute, batch, decided
 
@@ -368,7 +417,7 @@ class Simulation:
             i = plan.instance
             label = int(self.label_length[rid, i])
             out.instance, out.dispatched = i, t
-            out.quality = float(self.ev.label_score[rid, i])
+            out.quality = float(self.judged[rid, i])
             out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, self.spec.max_tokens)
             held_on = self.parked.pop(rid, None)
             if held_on == i:  # its KV cache waits in i's host memory: it resumes
@@ -377,8 +426,10 @@ class Simulation:
                 if held_on is not None:
                     self.unpark(rid, held_on)
                 seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
-                                     output_tokens=label, now=t, domain=self.ev.kind(rid))
+                                     output_tokens=label, now=t, domain=self.ev.kind(int(self.parent[rid])))
             rep.in_flight[rid] = self.sequences[rid] = (i, seq)
+            if self.plans and rid in self.plans.plans:
+                self.sketching.add(rid)
 
     def evict(self, rep: Replica, t: float) -> None:
         """Requests the policy evicts: aborted on their engine (the work is lost), or swapped out to its host
@@ -387,6 +438,7 @@ class Simulation:
             rid = ticket.handle
             i, seq = rep.in_flight.pop(rid)
             del self.sequences[rid]
+            self.sketching.discard(rid)
             rep.first_heard.discard(rid)
             out = self.outcomes[rid]
             out.instance, out.evictions = -1, out.evictions + 1
@@ -420,8 +472,13 @@ class Simulation:
                     self.dispatch(rep, clock, rep.core.release_held(clock))
                     if self.warming:
                         self.warm(rep, clock)
-            t_arrival = times[next_arrival] if next_arrival < len(times) else math.inf
-            work = [(t_arrival, _ARRIVAL, replica_of(next_arrival, len(replicas)))]
+            t_arrival, row = times[next_arrival] if next_arrival < len(times) else math.inf, next_arrival
+            if self.spawned and self.spawned[0] < (t_arrival, row):
+                t_arrival, row = self.spawned[0]  # an expansion: to its request's replica
+            work = [(t_arrival, _ARRIVAL, replica_of(int(self.parent[row]) if row < len(self.parent) else row,
+                                                     len(replicas)))]
+            if self.sketching:
+                work.append((self.sketch_end(), _SKETCHED, 0))
             for rep in replicas:
                 at = rep.core.fire_at(rep.window, clock) if rep.pending is None else None
                 work += [(rep.pending[0] if rep.pending is not None else math.inf, _DISPATCH, rep.index),
@@ -452,9 +509,15 @@ class Simulation:
                 rep.pending = None
                 rep.window = rep.core.limit(cfg, clock)
             elif kind == _ARRIVAL:
-                rep.core.submit(self.tickets[next_arrival], clock)
-                next_arrival += 1
+                if row == next_arrival:
+                    next_arrival += 1
+                else:
+                    heapq.heappop(self.spawned)
+                rep.core.submit(self.tickets[row], clock)
                 rep.window = rep.core.limit(cfg, clock)
+            elif kind == _SKETCHED:
+                self.advance(clock)
+                self.sketched()
             else:
                 if rep.window is not None:
                     rep.window = rep.core.limit(cfg, clock)
@@ -475,10 +538,30 @@ class Simulation:
         for rid, (_, seq) in self.sequences.items():
             _record(self.outcomes[rid], seq)
         ages = [a for a in self.ages if not math.isnan(a)]
-        return CellResult(self.spec, tuple(_costed(self.outcomes, self.prices_in, self.prices_out)),
+        outcomes = _costed(self.outcomes, self.prices_in, self.prices_out)
+        if self.plans:
+            outcomes = fold(self.plans, outcomes)
+        return CellResult(self.spec, tuple(outcomes),
                           tuple(i.model for i in self.instances), tuple(self.batches), tuple(self.ranked_down),
                           *_swaps(self.gpus), info_age_s=sum(ages) / len(ages) if ages else math.nan,
                           experts_per_step=self.experts / self.moe_steps if self.moe_steps else math.nan)
+
+    # ---- progressive requests (sim/progressive.py) ---------------------------------------------------
+    def sketch_end(self) -> float:
+        """The next step end of an instance running a sketch: when one may end."""
+        ends = [self.engines[self.sequences[r][0]].next_step_end() for r in self.sketching]
+        return min((e for e in ends if e is not None), default=math.inf)
+
+    def sketched(self) -> None:
+        """Sketches that have ended send their expansions, arriving as they ended."""
+        assert self.plans is not None
+        for r in sorted(self.sketching):
+            _, seq = self.sequences[r]
+            if seq.finished:
+                self.sketching.discard(r)
+                for e in self.plans.plans[r].expansions:
+                    self.outcomes[e.row].arrival = seq.finish_time
+                    heapq.heappush(self.spawned, (seq.finish_time, e.row))
 
     def _waiting_for_room(self) -> bool:
         """Requests are held in a replica while some are still running on the instances (whose end may free
@@ -488,7 +571,7 @@ class Simulation:
 
 
 # Which event goes first at one instant (the lower); scrapes and sync ticks before the rest.
-_SCRAPE, _TICK, _DISPATCH, _ARRIVAL, _FIRE = range(5)
+_SCRAPE, _TICK, _DISPATCH, _SKETCHED, _ARRIVAL, _FIRE = range(6)
 
 
 def _swaps(gpus: list[SharedGpu]) -> tuple[float, float]:

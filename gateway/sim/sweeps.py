@@ -78,7 +78,7 @@ class Cell:
     system: str  # family shown in plots: routebalance, avengers, best_route, passthrough, single_model
     label: str  # e.g. "uniform", "p_w=0.53+round_robin"
     spec: CellSpec
-    config_changes: tuple = ()  # ("batching" or a policy table, {field: value}) applied to the config for this cell
+    config_changes: tuple = ()  # ("batching", "progressive" or a policy table, {field: value}) applied to the config
     tags: dict = field(default_factory=dict)
 
 
@@ -357,10 +357,15 @@ INTERVALS_S = 0.7  # per cell, in the main process once the runs are in: the boo
 START_S = 20.0  # the workers load the estimators and the evaluation set
 
 
+PROGRESSIVE_CALLS = 6  # simulated calls per request of a progressive cell, about (sweep "progressive")
+
+
 def run_seconds(cell: Cell, requests: int) -> float:
     """Expected seconds of one run of the cell (on a core of its own)."""
     kind = cell.spec.policy if cell.spec.policy in SECONDS_PER_REQUEST else "heads" if _uses_heads(cell) else "plain"
     per_request = SECONDS_PER_REQUEST[kind]
+    if cell.spec.progressive:  # a sketch and some ten expansions for each request that is not routed whole
+        per_request *= PROGRESSIVE_CALLS
     return RUN_OVERHEAD_S + per_request * min(requests, cell.spec.requests)
 
 
@@ -405,6 +410,8 @@ def configured(cfg, changes) -> object:
 
                 values = {**values, "rules": tuple(BatchRule(**r) for r in values["rules"])}
             cfg = with_batching(cfg, **values)
+        elif section == "progressive":
+            cfg = dataclasses.replace(cfg, progressive=dataclasses.replace(cfg.progressive, **values))
         else:  # a policy's own table
             cfg = cfg.with_options(section, **values)
     return cfg

@@ -1,0 +1,95 @@
+"""Progressive mode (PICE) in the simulator: each progressive request is a sketch on the largest tier whose
+expansions arrive when it ends, every call through the scheduling loop and paid; the fallback rule sends the
+rest through normal routing (gateway/sim/progressive.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from gateway.scheduling.progressive import fallback_reason
+from gateway.sim.arrivals import ArrivalSpec
+from gateway.sim.metrics import summarise
+from gateway.sim.progressive import PROGRESSIVE
+from gateway.sim.simulator import CellSpec, Simulation, run_cell
+
+M72 = "Qwen/Qwen2.5-72B-Instruct"
+N = 200
+
+
+def any_length(cfg):
+    """The config with the length rule off: every prompt but code and short facts is sketched."""
+    return dataclasses.replace(cfg, progressive=dataclasses.replace(cfg.progressive, min_answer_tokens=0))
+
+
+def spec(progressive: bool, rate: float = 1.0, model: str | None = M72) -> CellSpec:
+    return CellSpec("routebalance", arrivals=ArrivalSpec(rate=rate), requests=N, seed=2, model=model,
+                    progressive=progressive)
+
+
+def test_a_sketch_sends_its_expansions_when_it_ends_and_the_request_ends_with_its_last_point(small_sim):
+    cfg, est, ev = small_sim
+    cfg = any_length(cfg)
+    sim = Simulation(cfg, ev, spec(True), est)
+    result = sim.run()
+    plans = sim.plans
+    assert plans is not None and plans.large == M72 and len(plans.plans) > N // 2
+    models = [inst.model for inst in cfg.instances]
+    for r, plan in plans.plans.items():
+        sketch = sim.sequences[r][1]
+        assert models[sim.sequences[r][0]] == M72
+        assert len(plan.expansions) == plan.points * cfg.progressive.candidates
+        ends = []
+        for e in plan.expansions:
+            i, seq = sim.sequences[e.row]
+            assert models[i] == e.model and e.model in plans.small  # on the cheapest models
+            assert sim.outcomes[e.row].arrival == sketch.finish_time  # sent when the sketch ended
+            assert seq.arrival >= sketch.finish_time
+            ends.append(seq.finish_time)
+        out = result.outcomes[r]
+        assert out.mode == PROGRESSIVE and out.finished == max(ends)  # the last point ends the answer
+        assert out.first_token <= out.finished and out.first_token > sketch.finish_time
+    assert len(result.outcomes) == N  # one outcome per client request, whatever its calls
+
+
+def test_every_call_is_paid_and_the_fallbacks_are_the_rules(small_sim):
+    cfg, est, ev = small_sim
+    sim = Simulation(cfg, ev, spec(True), est)
+    result = sim.run()
+    plans = sim.plans
+    column = next(k for k, inst in enumerate(cfg.instances) if inst.model == M72)
+    for r, mode in enumerate(plans.modes):
+        reason = fallback_reason(ev.prompts[r], float(ev.length[r, column]), cfg.progressive.rule())
+        assert mode == (PROGRESSIVE if reason is None else reason.value) or mode == "few_points"
+    by_row = sim.outcomes  # every row's, costed: client requests (sketches) and expansions
+    for r, plan in plans.plans.items():
+        calls = [by_row[e.row].cost_usd for e in plan.expansions]
+        assert all(c > 0 for c in calls)
+        assert result.outcomes[r].cost_usd > sum(calls)  # and the sketch
+    row = summarise(result.outcomes, result.models)
+    assert row["progressive_share"] == pytest.approx(len(plans.plans) / N)
+    assert row["progressive_share"] + sum(v for k, v in row.items() if k.startswith("fallback_")) == pytest.approx(1)
+
+
+def test_progressive_answers_sooner_than_the_72b_alone_and_costs_more(small_sim):
+    """At light load, long answers split over parallel small-model calls end sooner than the 72B writing them;
+    the calls cost more in all (the sketch, and two candidates per point)."""
+    cfg, est, ev = small_sim
+    cfg = any_length(cfg)
+    cloud = run_cell(cfg, ev, spec(False), est)
+    prog = run_cell(cfg, ev, spec(True), est)
+    sketched = [r for r, o in enumerate(prog.outcomes) if o.mode == PROGRESSIVE]
+    e2e = np.array([[o.finished - o.arrival for o in (cloud.outcomes[r], prog.outcomes[r])] for r in sketched])
+    assert np.mean(e2e[:, 1]) < 0.7 * np.mean(e2e[:, 0])
+    assert sum(prog.outcomes[r].cost_usd for r in sketched) > sum(cloud.outcomes[r].cost_usd for r in sketched)
+    # the quality estimate is the 72B's; the floor is what the chosen expansions' models would score
+    assert all(prog.outcomes[r].quality == cloud.outcomes[r].quality for r in sketched)
+    assert all(not math.isnan(prog.outcomes[r].quality_floor) for r in sketched)
+
+
+def test_progressive_cells_refuse_what_they_do_not_model():
+    with pytest.raises(ValueError, match="progressive"):
+        CellSpec("routebalance", budget_share=0.5, progressive=True)
