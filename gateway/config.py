@@ -344,6 +344,8 @@ class Estimators(Section):
     max_tokens: int = option(256, ge=16, le=512)
     threads: int = option(2, ge=1)  # onnxruntime intra-op threads
     batch_size: int = option(8, ge=1)  # length-sorted sub-batches inside one embed call
+    # Prompt embeddings kept for prompts seen again (an LRU keyed by the truncated tokens; 0: off).
+    embed_cache_entries: int = option(4096, ge=0)
     # Size of the synthetic labelled workload `train` builds when no data is given.
     train_records: int = option(18608, ge=50)
     seed: int = 0

@@ -64,6 +64,7 @@ from gateway.scheduling.budget import per_token
 from gateway.scheduling.ledger import PoolLedger
 from gateway.scheduling.progressive import (
     Candidate,
+    Fallback,
     Price,
     Usage,
     answer_part,
@@ -219,8 +220,12 @@ class Progressive:
         if picked is None:
             return self.fall_back("no_tiers")
         large, small = picked
-        predicted = await self.predicted_tokens(question, large) if question.split() else None
-        reason = fallback_reason(question, predicted, cfg.progressive.rule())
+        rule = cfg.progressive.rule()
+        reason = fallback_reason(question, None, rule)
+        if reason in (Fallback.EMPTY, Fallback.CODE):  # the prompt alone decides: no embedding
+            return self.fall_back(reason.value)
+        # The scheduler embeds the same text if the request falls back: the embedder's cache answers it then.
+        reason = fallback_reason(question, await self.predicted_tokens(question, large), rule)
         if reason is not None:
             return self.fall_back(reason.value)
         prices = {inst.model: Price(per_token(inst.price_input_per_mtok), per_token(inst.price_output_per_mtok))
@@ -240,12 +245,14 @@ class Progressive:
             sketch_inst = self._pick(cfg, large, calls, loop.time(), tried)
             if sketch_inst is None:
                 break
-            tried.append(sketch_inst.name)
             try:
                 sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens,
                                           spend, calls, logprobs=False)
             except ApiError:  # the key cannot cover it now (others spent meanwhile): normal routing decides
+                if not tried:
+                    return self.fall_back("budget")
                 break
+            tried.append(sketch_inst.name)
         if not tried:
             return self.fall_back("no_tiers")
         points = parse_points(_content(sketch) or "", limits.max_points) if sketch is not None else []

@@ -141,6 +141,8 @@ class Gateway:
         self.scheduler = Scheduler(store, self.ledger, self.metrics, estimators, candidates_for)
         self.token_counter = TokenCounter()
         self.progressive = Progressive(self.ledger, self.metrics, self.token_counter, estimators)
+        if estimators is not None:
+            self.metrics.watch_embed_cache(estimators.embedder.cache_counts)
         self.access = Access(store.current)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
         self.link: RedisLink | None = None  # [state] backend = "redis": shared with the other replicas

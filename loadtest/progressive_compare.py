@@ -28,16 +28,14 @@ import httpx
 
 from gateway.config import default_config_path, load_config
 from gateway.scheduling.progressive import fallback_reason
-from gateway.sim.evalset import EVAL_PROMPTS
-from gateway.workload.synthetic import generate
+from gateway.sim.evalset import EVAL_PROMPTS, evaluation_records
 
 LARGE = "Qwen/Qwen2.5-72B-Instruct"
 ARMS = ("normal-72B", "progressive")
 
 
 def held_out() -> list[str]:
-    est = load_config(default_config_path()).estimators
-    return [r.prompt for r in generate(est.train_records + EVAL_PROMPTS, seed=est.seed)[est.train_records:]]
+    return [r.prompt for r in evaluation_records(load_config(default_config_path()), EVAL_PROMPTS)]
 
 
 @dataclass

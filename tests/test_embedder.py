@@ -146,3 +146,35 @@ def test_sub_batch_plan_groups_similar_lengths_and_covers_every_prompt():
     def cost(sp):
         return sum(CALL_OVERHEAD_TOKENS + (b - a) * lengths[b - 1] for a, b in sp)
     assert cost(spans) <= cost([(0, 4), (4, 8)])
+
+
+def test_the_cache_returns_what_the_prompt_got_and_computes_each_text_once(model_path, embedder):
+    cached = Embedder(model_path, default_tokenizer_path(), cache_entries=64)
+    first = cached.embed(TEXTS)  # "hi" twice: computed once
+    assert cached.cache_counts() == (1, len(TEXTS) - 1)
+    np.testing.assert_allclose(first, embedder.embed(TEXTS), atol=1e-5)  # as without a cache
+    again = cached.embed(list(reversed(TEXTS)))
+    assert cached.cache_counts() == (1 + len(TEXTS), len(TEXTS) - 1)
+    np.testing.assert_array_equal(again, first[::-1])  # the very vectors, in input order
+    # a text differing only past the truncation is the same prompt to the estimators
+    short = Embedder(model_path, default_tokenizer_path(), max_tokens=16, cache_entries=8)
+    a = short.embed([LONG])
+    b = short.embed([LONG + " And one more sentence at the end."])
+    assert short.cache_counts() == (1, 1)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_cache_is_bounded_and_drops_the_least_recently_used(model_path):
+    cached = Embedder(model_path, default_tokenizer_path(), cache_entries=2)
+    cached.embed(["one"])
+    cached.embed(["two"])
+    cached.embed(["one"])  # "one" used last: "two" is the oldest
+    cached.embed(["three"])  # evicts "two"
+    assert len(cached._cache) == 2
+    hits, misses = cached.cache_counts()
+    cached.embed(["one", "three"])
+    assert cached.cache_counts() == (hits + 2, misses)
+    cached.embed(["two"])
+    assert cached.cache_counts() == (hits + 2, misses + 1)
+    with pytest.raises(ValueError):
+        Embedder(model_path, default_tokenizer_path(), cache_entries=-1)

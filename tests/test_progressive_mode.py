@@ -210,20 +210,32 @@ def test_tiny_key_limit_falls_back_or_refuses_and_never_overspends(stack):
     assert booked(stack, "tiny") <= key.spend_limit_usd * (1 + 1e-6)
 
 
+class Patch:
+    """`patch(hook)` wraps the gateway's progressive upstream calls with `hook(messages, logprobs, call)`;
+    `sketched_on` lists the instances the sketch calls went to, in order."""
+
+    def __init__(self):
+        self.hooks, self.sketched_on = [], []
+
+    def __call__(self, hook) -> None:
+        self.hooks.append(hook)
+
+
 @pytest.fixture
 def patched_calls(stack):
-    """Wraps the gateway's progressive upstream calls with `hook(messages, logprobs, call)` for one test."""
     prog = stack.gateway.progressive
     original = prog._call
-    hooks = []
+    patch = Patch()
 
     async def wrapped(session, cfg, inst, messages, max_tokens, spend, calls, logprobs):
         async def call():
             return await original(session, cfg, inst, messages, max_tokens, spend, calls, logprobs)
-        return await hooks[0](messages, logprobs, call) if hooks else await call()
+        if not logprobs:
+            patch.sketched_on.append(inst.name)
+        return await patch.hooks[0](messages, logprobs, call) if patch.hooks else await call()
 
     prog._call = wrapped
-    yield hooks.append
+    yield patch
     del prog._call
 
 
@@ -268,6 +280,7 @@ def test_failed_sketch_falls_back_and_says_what_it_cost(stack, patched_calls):
     raw = ask(client(stack), extra_body=PROGRESSIVE, max_tokens=20)
     r = raw.parse()
     assert raw.headers["X-Route-Mode"] == "normal" and raw.headers["X-Route-Fallback"] == "sketch_failed"
+    assert len(set(patched_calls.sketched_on)) == 2  # lost on both 72B instances
     sketch_cost = float(raw.headers["X-Route-Fallback-Cost-USD"])
     assert sketch_cost > 0
     # the key pays the sketch and the normal answer, each once
@@ -348,6 +361,8 @@ def test_a_lost_sketch_is_tried_once_more_on_the_other_72b(stack, patched_calls)
     r = raw.parse()
     after = served(stack)
     assert raw.headers["X-Route-Mode"] == "progressive" and lost
+    first, second = patched_calls.sketched_on  # the other 72B, which wrote the answer's sketch
+    assert first != second and raw.headers["X-Route-Instance"] == second
     k, cands = int(raw.headers["X-Route-Points"]), int(raw.headers["X-Route-Candidates"])
     assert after["requests"] - before["requests"] == 2 + k * cands  # both sketches, then the expansions
     assert r.usage.completion_tokens == after["generation"] - before["generation"]  # the lost one counts too

@@ -39,6 +39,25 @@ def test_answers_carry_the_decision(client, stack):
     assert "routebalance_estimate_seconds_count" in metrics
 
 
+def test_a_prompt_seen_again_takes_its_embedding_from_the_cache(client, stack):
+    def cache() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(stack.root + "/metrics").text.splitlines():
+            if line.startswith("routebalance_embed_cache_total{"):
+                out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    prompt = [{"role": "user", "content": "Name three rivers of Portugal and where each meets the sea."}]
+    raw = client.chat.completions.with_raw_response.create(model="auto", messages=prompt, max_tokens=4)
+    before = cache()
+    assert before["miss"] >= 1
+    again = client.chat.completions.with_raw_response.create(model="auto", messages=prompt, max_tokens=4)
+    after = cache()
+    assert after == {"hit": before["hit"] + 1, "miss": before["miss"]}
+    if again.headers["X-Route-Model"] == raw.headers["X-Route-Model"]:  # the same estimate: the same prediction
+        assert again.headers["X-Route-Predicted-Quality"] == raw.headers["X-Route-Predicted-Quality"]
+
+
 def test_presets_move_requests_between_tiers(client):
     prompts = [f"Write a detailed proof that there are infinitely many primes, variant {n}." for n in range(6)]
     prompts += [f"Say hello to user {n}." for n in range(6)]

@@ -15,6 +15,7 @@ from gateway.sim.arrivals import ArrivalSpec
 from gateway.sim.metrics import summarise
 from gateway.sim.progressive import PROGRESSIVE
 from gateway.sim.simulator import CellSpec, Simulation, run_cell
+from gateway.workload.progressive import sketch_points
 
 M72 = "Qwen/Qwen2.5-72B-Instruct"
 N = 200
@@ -63,7 +64,9 @@ def test_every_call_is_paid_and_the_fallbacks_are_the_rules(small_sim):
     column = next(k for k, inst in enumerate(cfg.instances) if inst.model == M72)
     for r, mode in enumerate(plans.modes):
         reason = fallback_reason(ev.prompts[r], float(ev.length[r, column]), cfg.progressive.rule())
-        assert mode == (PROGRESSIVE if reason is None else reason.value) or mode == "few_points"
+        points = sketch_points(int(ev.label_length[r, column]), cfg.progressive.max_points)
+        expected = reason.value if reason else "few_points" if points < cfg.progressive.min_points else PROGRESSIVE
+        assert mode == expected
     by_row = sim.outcomes  # every row's, costed: client requests (sketches) and expansions
     for r, plan in plans.plans.items():
         calls = [by_row[e.row].cost_usd for e in plan.expansions]
@@ -90,6 +93,29 @@ def test_progressive_answers_sooner_than_the_72b_alone_and_costs_more(small_sim)
     assert all(not math.isnan(prog.outcomes[r].quality_floor) for r in sketched)
 
 
-def test_progressive_cells_refuse_what_they_do_not_model():
+@pytest.mark.parametrize(("requests", "rate", "replicas"), [(1, 1.0, 1), (5, 50.0, 1), (40, 50.0, 1), (60, 4.0, 2)])
+def test_every_sketch_is_expanded_once_whatever_the_arrivals(small_sim, requests, rate, replicas):
+    """Expansions still arrive once every client request has (their rows follow the client requests'), and
+    with replicas each goes to its request's replica: every call runs once, none is lost."""
+    cfg, est, ev = small_sim
+    cell = CellSpec("routebalance", arrivals=ArrivalSpec(rate=rate), requests=requests, seed=1, model=M72,
+                    progressive=True, replicas=replicas)
+    sim = Simulation(any_length(cfg), ev, cell, est)
+    result = sim.run()
+    assert sim.plans.plans
+    assert set(sim.sequences) == set(range(sim.plans.rows))  # every row ran, each once
+    assert not sim.sketching and not sim.spawned
+    for r in sim.plans.plans:
+        out = result.outcomes[r]
+        assert out.mode == PROGRESSIVE and out.instance >= 0 and out.finished >= out.first_token > out.arrival
+
+
+def test_progressive_cells_refuse_what_they_do_not_model(small_sim):
     with pytest.raises(ValueError, match="progressive"):
         CellSpec("routebalance", budget_share=0.5, progressive=True)
+    from gateway.sim.pools import named
+
+    cfg, est, ev = small_sim
+    pool_cfg, pool_ev = named("W_A")(cfg, ev)  # models time-sharing GPUs
+    with pytest.raises(ValueError, match="GPU per instance"):
+        Simulation(pool_cfg, pool_ev, CellSpec("routebalance", requests=20, progressive=True), est)

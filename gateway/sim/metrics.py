@@ -41,7 +41,7 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
       refused: 0); NaN when no request has a bound;
     - progressive cells only: progressive_share (requests served progressively), quality_floor (quality
       if the expansions' models decide it, sim/progressive.py) and fallback_<reason> (share routed
-      normally for that reason, `normal` included).
+      normally for that reason).
     """
     served = [o for o in outcomes if o.instance >= 0]
     if not outcomes:

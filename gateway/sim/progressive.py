@@ -52,7 +52,6 @@ from gateway.workload.progressive import (
     sketch_tokens,
 )
 
-NORMAL = "normal"
 PROGRESSIVE = "progressive"
 
 

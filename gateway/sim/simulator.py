@@ -226,6 +226,9 @@ class Simulation:
         if not all(serving.values()):
             raise ValueError(f"no instance serves {[m for m, c in serving.items() if not c]}")
         self.gpus = shared_gpus(instances, spec)
+        if spec.progressive and any(gpu.shared for gpu in self.gpus):
+            raise ValueError("progressive cells need a GPU per instance (a shared GPU's step ends are not known "
+                             "ahead while its models swap)")
         self.engines = [e for _, e in sorted((k, e) for gpu in self.gpus for k, e in gpu.engines.items())]
         self.down = {k for k, inst in enumerate(instances) if inst.model in spec.down}
         self.scrape_every = cfg.telemetry.scrape_interval_s
@@ -316,6 +319,8 @@ class Simulation:
                 if self.moe[k]:
                     self.experts += report.experts
                     self.moe_steps += report.steps
+        if self.sketching:
+            self.sketched(t)
 
     def warm(self, rep: Replica, t: float) -> None:
         """The policy's warm start: the models it wants in host memory next."""
@@ -509,15 +514,14 @@ class Simulation:
                 rep.pending = None
                 rep.window = rep.core.limit(cfg, clock)
             elif kind == _ARRIVAL:
-                if row == next_arrival:
+                if row < len(self.ev):  # a client request (rows past them are expansions)
                     next_arrival += 1
                 else:
                     heapq.heappop(self.spawned)
                 rep.core.submit(self.tickets[row], clock)
                 rep.window = rep.core.limit(cfg, clock)
             elif kind == _SKETCHED:
-                self.advance(clock)
-                self.sketched()
+                self.advance(clock)  # which sends the expansions of the sketches that ended
             else:
                 if rep.window is not None:
                     rep.window = rep.core.limit(cfg, clock)
@@ -552,16 +556,19 @@ class Simulation:
         ends = [self.engines[self.sequences[r][0]].next_step_end() for r in self.sketching]
         return min((e for e in ends if e is not None), default=math.inf)
 
-    def sketched(self) -> None:
-        """Sketches that have ended send their expansions, arriving as they ended."""
+    def sketched(self, t: float) -> None:
+        """Sketches that have ended by `t` send their expansions, arriving as they ended (never before `t`, the
+        time the driver has reached: a step-end event sees them end at once; an end that another event's
+        advance ran past is sent then)."""
         assert self.plans is not None
         for r in sorted(self.sketching):
             _, seq = self.sequences[r]
             if seq.finished:
                 self.sketching.discard(r)
+                at = seq.finish_time if math.isinf(t) else max(seq.finish_time, t)
                 for e in self.plans.plans[r].expansions:
-                    self.outcomes[e.row].arrival = seq.finish_time
-                    heapq.heappush(self.spawned, (seq.finish_time, e.row))
+                    self.outcomes[e.row].arrival = at
+                    heapq.heappush(self.spawned, (at, e.row))
 
     def _waiting_for_room(self) -> bool:
         """Requests are held in a replica while some are still running on the instances (whose end may free
