@@ -70,11 +70,9 @@ from gateway.scheduling.progressive import (
     answer_part,
     assemble,
     candidates_within,
-    check_budget,
     choose,
     fallback_reason,
     parse_points,
-    plan_calls,
     sum_usage,
     tiers,
 )
@@ -261,12 +259,10 @@ class Progressive:
         prompts = [[*history, {"role": "user", "content": expansion_prompt(question, points, p)}]
                    for p in range(1, len(points) + 1)]
         tokens["expand"] = max(self.token_counter.count_chat(p) for p in prompts)
-        n_cand = 1
-        for c in range(limits.candidates, 0, -1):
-            plan = plan_calls(large, small, len(points), limits, candidates=c)[1:]  # the sketch is paid
-            if check_budget(plan, tokens, prices, spend.budget_left()).fits:
-                n_cand = c
-                break
+        # at least one candidate: the fit of one was checked before the sketch (a call the key cannot cover
+        # is dropped, its point keeping the sketch's words)
+        n_cand = candidates_within(large, small, tokens, prices, spend.budget_left(), limits, len(points),
+                                   sketched=True) or 1
         self.metrics.progressive.labels(PROGRESSIVE).inc()
 
         async def expand(index: int) -> str | None:

@@ -23,10 +23,8 @@ from urllib.parse import urlsplit
 
 import httpx
 from decisions import histogram  # loadtest/, this script's directory
+from progressive_compare import held_out
 from prometheus_client.parser import text_string_to_metric_families
-
-from gateway.config import default_config_path, load_config
-from gateway.sim.evalset import EVAL_PROMPTS, evaluation_records
 
 STAGES = (("routebalance_batch_wait_seconds", "wait for the batch", "request"),
           ("routebalance_estimate_seconds", "estimate (embed + KNN)", "batch"),
@@ -66,7 +64,7 @@ def _bound(cumulative: list[tuple[float, float]], count: float, q: float) -> flo
 
 
 async def load(url: str, rate: float, seconds: float, key: str) -> tuple[int, int]:
-    prompts = [r.prompt for r in evaluation_records(load_config(default_config_path()), EVAL_PROMPTS)]
+    prompts = held_out()
     rng = random.Random(0)
     ok = failed = 0
 

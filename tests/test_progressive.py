@@ -335,3 +335,8 @@ def test_plan_and_budget():
     assert candidates_within(M72, [M3, "Qwen/Qwen2.5-7B-Instruct"], tokens, prices, 810e-6, limits) == 2
     assert candidates_within(M72, [M3, "Qwen/Qwen2.5-7B-Instruct"], tokens, prices, 700e-6, limits) == 1
     assert candidates_within(M72, [M3, "Qwen/Qwen2.5-7B-Instruct"], tokens, prices, 500e-6, limits) == 0
+    # after the sketch (paid), 3 points against what is left: two candidates 3 * 90, one 3 * 30
+    small = [M3, "Qwen/Qwen2.5-7B-Instruct"]
+    assert candidates_within(M72, small, tokens, prices, 270e-6, limits, 3, sketched=True) == 2
+    assert candidates_within(M72, small, tokens, prices, 269e-6, limits, 3, sketched=True) == 1
+    assert candidates_within(M72, small, tokens, prices, 89e-6, limits, 3, sketched=True) == 0

@@ -300,13 +300,15 @@ def check_budget(calls: Sequence[Call], prompt_tokens: Mapping[str, int], prices
 
 def candidates_within(sketch_model: str, expand_models: Sequence[str], prompt_tokens: Mapping[str, int],
                       prices: Mapping[str, Price], budget: float | None,
-                      limits: ProgressiveLimits = ProgressiveLimits(), points: int | None = None) -> int:
+                      limits: ProgressiveLimits = ProgressiveLimits(), points: int | None = None,
+                      sketched: bool = False) -> int:
     """The most candidates per point (up to limits.candidates) whose plan fits the budget in the worst
     case, for `points` points (before the sketch: limits.max_points); 0 if not even one fits, when the
-    server falls back to normal routing or refuses with the worst case in its message."""
+    server falls back to normal routing or refuses with the worst case in its message. `sketched`: the
+    sketch is written and paid, so only the expansions count against `budget` (what is left of it)."""
     n = limits.max_points if points is None else points
     for c in range(limits.candidates, 0, -1):
-        plan = plan_calls(sketch_model, expand_models, n, limits, candidates=c)
+        plan = plan_calls(sketch_model, expand_models, n, limits, candidates=c)[1 if sketched else 0:]
         if check_budget(plan, prompt_tokens, prices, budget).fits:
             return c
     return 0

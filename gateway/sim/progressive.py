@@ -151,9 +151,9 @@ def row_lengths(plans: Plans, label_length: np.ndarray, predicted: np.ndarray, i
     for r, plan in plans.plans.items():
         lengths[r, :] = plan.sketch_tokens
         guesses[r, :] = limits.sketch_max_tokens
-        for e in plan.expansions:
-            lengths[e.row, :] = [expansion_tokens(int(label_length[r, i]), plan.points) for i in range(len(instances))]
-            guesses[e.row, :] = np.minimum(predicted[r, :] / plan.points, limits.expansion_max_tokens)
+        rows = [e.row for e in plan.expansions]  # every expansion of a request answers a point's share
+        lengths[rows, :] = [expansion_tokens(int(label_length[r, i]), plan.points) for i in range(len(instances))]
+        guesses[rows, :] = np.minimum(predicted[r, :] / plan.points, limits.expansion_max_tokens)
     return lengths, guesses
 
 

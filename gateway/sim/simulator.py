@@ -553,7 +553,7 @@ class Simulation:
     # ---- progressive requests (sim/progressive.py) ---------------------------------------------------
     def sketch_end(self) -> float:
         """The next step end of an instance running a sketch: when one may end."""
-        ends = [self.engines[self.sequences[r][0]].next_step_end() for r in self.sketching]
+        ends = [self.engines[i].next_step_end() for i in {self.sequences[r][0] for r in self.sketching}]
         return min((e for e in ends if e is not None), default=math.inf)
 
     def sketched(self, t: float) -> None:
@@ -561,7 +561,7 @@ class Simulation:
         time the driver has reached: a step-end event sees them end at once; an end that another event's
         advance ran past is sent then)."""
         assert self.plans is not None
-        for r in sorted(self.sketching):
+        for r in list(self.sketching):  # the heap orders what they send by (arrival, row)
             _, seq = self.sequences[r]
             if seq.finished:
                 self.sketching.discard(r)
