@@ -273,6 +273,7 @@ class Gateway:
                 slo_s=slo.slo_s,
                 tpot_slo_s=slo.tpot_slo_s,
                 slo_class=slo.slo_class,
+                to_max_tokens=req.runs_to_max_tokens,
             )
             ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg)
             refused = ticket.decision.refused

@@ -24,7 +24,7 @@ from gateway.scheduling.ledger import PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
 from gateway.scheduling.policies import registry
 from gateway.scheduling.policies.base import Policy, PolicyEntry
-from gateway.scheduling.request import Completion, Decision, RouteRequest, Ticket
+from gateway.scheduling.request import Completion, Decision, Estimates, RouteRequest, Ticket
 from gateway.sim.arrivals import ArrivalSpec
 from gateway.sim.evalset import load_evalset
 from gateway.sim.simulator import CellSpec, run_cell, with_batching
@@ -252,3 +252,44 @@ def test_a_faulty_policy_costs_only_its_own_requests_and_never_stops_the_loop(bu
             assert faulty.completed == [status is None] * 2  # refused requests end in on_complete too
     finally:
         registry.unregister("faulty_test")
+
+
+class Recording(Policy):
+    """Remembers the predicted lengths `assign` was given."""
+
+    name = "recording_test"
+    needs_estimates = True
+
+    def __init__(self):
+        self.lengths: list[np.ndarray] = []
+
+    def assign(self, batch, estimates, view):
+        self.lengths.append(estimates.length.copy())
+        return [Decision((0,)) for _ in batch]
+
+
+def test_every_policy_sees_answer_lengths_bounded_by_the_request_max_tokens(built):
+    recording = Recording()
+    # The policy asks for estimates; the entry does not need built estimators: the test passes its own.
+    registry.register(PolicyEntry("recording_test", lambda ctx: recording, "test: what assign is given"))
+    try:
+        cfg = built[0]
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="recording_test"))
+        core = SchedulingLoop(PoolLedger(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
+        tickets = [Ticket(RouteRequest((0, 1), f"p{k}", 10, limit, (1.0, 0.0, 0.0), policy="recording_test",
+                                       to_max_tokens=exact), "auto", False, cfg)
+                   for k, (limit, exact) in enumerate([(20, False), (None, False), (500, False), (500, True)])]
+        for t in tickets:
+            core.submit(t, 0.0)
+        batch, _ = core.take(cfg, None, 1.0)
+        n = len(cfg.instances)
+
+        def estimate(asked):
+            return Estimates(np.full((len(asked), n), 0.5), np.full((len(asked), n), 300.0))
+
+        core.decide(cfg, batch, core.view(cfg, 1.0), estimate=estimate)
+        [lengths] = recording.lengths
+        assert (lengths[0] == 20).all() and (lengths[1] == 300).all() and (lengths[2] == 300).all()
+        assert (lengths[3] == 500).all()  # it ignores end-of-sequence: it runs to its max_tokens
+    finally:
+        registry.unregister("recording_test")

@@ -18,6 +18,7 @@ from gateway.engine.engine import EngineSpec
 from gateway.scheduling.budget import per_token, predicted_cost
 from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
 from gateway.scheduling.loop import SchedulingLoop
+from gateway.scheduling.policies.qlm import Running
 from gateway.scheduling.qlm_plan import GroupView, Queues, greedy_plan, optimal_plan
 from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length, wait
 from gateway.scheduling.request import Estimates, RouteRequest, Ticket
@@ -45,6 +46,19 @@ def test_the_cap_is_where_a_step_doubles_and_a_request_waits_only_when_it_is_ful
     assert w.mean == pytest.approx((400 + 50) / model.token_rate())  # their tokens + half an answer's tail
     c = completion(model, QueueLoad.empty(model, 0), answer, 1000)
     assert c.mean == pytest.approx(0.1 + 100 * 0.02) and c.p_at_most(c.mean) == pytest.approx(0.5)
+
+
+def test_what_a_running_answer_has_left_counts_its_stream_or_the_time_since_dispatch():
+    exact = Running(0, answer_tokens=300.0, deadline=600.0, started=10.0, cv=0.0)  # it runs to its max_tokens
+    assert exact.left(11.0, 0.02) == pytest.approx(250.0)  # nothing streamed (not a stream): 1 s at 0.02 s a token
+    exact.streamed = 120
+    assert exact.left(11.0, 0.02) == pytest.approx(180.0)  # it streamed more than the time alone says
+    assert exact.left(30.0, 0.02) == 1.0  # at its length: it ends now
+    spread = Running(0, answer_tokens=300.0, deadline=600.0, started=10.0, cv=0.5)
+    assert spread.left(10.0, 0.02) == pytest.approx(300.0, rel=0.05)  # at dispatch: about its predicted length
+    at_mean = spread.left(16.0, 0.02)  # 300 made: half the lengths are longer, by 0.8 spreads in the mean
+    assert at_mean == pytest.approx(150.0 * 0.7979, rel=1e-3)
+    assert 1.0 < spread.left(30.0, 0.02) < at_mean  # far past its prediction: still some left, less and less
 
 
 def _group(key, slack, size, tokens, quality=(0.5, 0.5), candidates=(0, 1)):
@@ -198,12 +212,13 @@ def test_qlm_meets_more_slos_than_vllms_own_queue_under_bursty_load_with_mega_pr
 
 def test_eviction_aborts_batch_jobs_for_tight_slos_and_serves_each_request_once(sim):
     cfg, est, ev = sim
-    tight = cfg.with_options("qlm", slowdown=1.3)  # small caps: slots run out, tight requests need eviction
-    spec = _cell("qlm", requests=800, slos=((15.0, 0.5), (600.0, 0.5)), mega_share=0.0)
+    # Small caps and many mega prompts (1,000-token answers): slots run out for long, tight requests need eviction.
+    tight = cfg.with_options("qlm", slowdown=1.05, on_infeasible="serve")  # a mega prompt's 10 s SLO: late, not refused
+    spec = _cell("qlm", arrivals=ArrivalSpec("gamma", 5.0, shape=0.5), requests=800, slos=((10.0, 0.5), (600.0, 0.5)),
+                 mega_share=0.3)
     result = run_cell(tight, ev, spec, est)
     evicted = [o for o in result.outcomes if o.evictions]
     assert evicted, "no request was evicted"
-    assert all(o.slo_s == 600.0 for o in evicted)  # only batch jobs (not streamed) may be
     assert all(o.instance >= 0 and o.completion_tokens > 0 for o in evicted)  # each served in the end, once
     served = [o for o in result.outcomes if o.instance >= 0]
     assert len(served) == len(result.outcomes)  # nothing lost on the way out and back
@@ -224,6 +239,16 @@ def test_eviction_aborts_batch_jobs_for_tight_slos_and_serves_each_request_once(
     recomputed = [o for o in run_cell(tight.with_options("qlm", state_swap=False), ev, spec, est).outcomes
                   if o.evictions]
     assert recomputed and all(extra_paid(o) > 0 for o in recomputed)
+
+
+def test_only_a_request_whose_client_has_seen_nothing_and_that_has_no_budget_may_be_evicted():
+    def ticket(streaming: bool, budget: float | None = None) -> Ticket:
+        return Ticket(RouteRequest((0,), "p", 10, 100, (1.0, 0.0, 0.0), budget_usd=budget), SEVEN_B, streaming, None)
+
+    waiting_stream, whole, budgeted, streaming = ticket(True), ticket(False), ticket(False, 0.01), ticket(True)
+    whole.first_token_at = streaming.first_token_at = 1.0  # the whole answer is sent at its end: nothing seen yet
+    assert waiting_stream.evictable and whole.evictable
+    assert not streaming.evictable and not budgeted.evictable
 
 
 def test_edf_and_qlm_hold_requests_without_losing_any(sim):
@@ -336,10 +361,15 @@ def _evictions(stack) -> float:
 def test_a_tight_slo_evicts_a_batch_job_and_every_client_gets_one_answer(client, qlm_stack):
     before = _evictions(qlm_stack)
 
+    ends: list[float] = []
+
     def batch_job(k: int):
-        return client.chat.completions.create(
+        # ignore_eos: each answer runs to its 300 tokens, and the gateway knows it.
+        answer = client.chat.completions.create(
             model=FOURTEEN_B, messages=[{"role": "user", "content": f"Summarise report {k} at length."}],
             max_tokens=300, extra_body={"ignore_eos": True, "routing": {"slo_s": 600}})
+        ends.append(time.monotonic())
+        return answer
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         jobs = [pool.submit(batch_job, k) for k in range(6)]  # three 14B instances x 2 slots: all full
@@ -348,9 +378,10 @@ def test_a_tight_slo_evicts_a_batch_job_and_every_client_gets_one_answer(client,
         urgent = client.chat.completions.create(
             model=FOURTEEN_B, messages=[{"role": "user", "content": "Quick: yes or no?"}], max_tokens=20,
             extra_body={"routing": {"slo_s": 4}})
-        urgent_s = time.monotonic() - started
+        done = time.monotonic()
         answers = [j.result(timeout=120) for j in jobs]
-    assert urgent.choices[0].message.content and urgent_s < 4.0
+    assert urgent.choices[0].message.content and done - started < 4.0
+    assert done < min(ends)  # it did not wait for a slot to free: it took one
     assert _evictions(qlm_stack) >= before + 1
     for a in answers:  # the evicted job went again: one whole answer each, nothing doubled
         assert a.usage.completion_tokens == 300 and len(a.choices[0].message.content.split()) == 300

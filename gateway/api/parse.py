@@ -57,6 +57,13 @@ class CompletionRequest:
     tools: tuple = ()  # function signatures (tools, or legacy functions): part of the prompt that is paid for
     has_media: bool = False  # images, audio or files in the messages: the prompt count misses them
 
+    @property
+    def runs_to_max_tokens(self) -> bool:
+        """The answer is max_tokens long: vLLM's ignore_eos, with no stop string or token to end it sooner."""
+        b = self.body
+        return self.max_tokens is not None and b.get("ignore_eos") is True and not b.get("stop") \
+            and not b.get("stop_token_ids")
+
 
 def parse_body(raw: bytes) -> dict:
     if not raw:

@@ -106,19 +106,10 @@ class BatchLatency:
             self.tpot[:, i] = np.fmax(self.tpot[:, i], fresh)  # fmax: a NaN (unknown tier) keeps the prior
 
 
-def capped(batch: Sequence[RouteRequest], est: Estimates) -> Estimates:
-    """Predicted lengths cut at each request's max_tokens: an answer cannot run past it."""
-    limits = np.array([r.max_tokens or np.inf for r in batch], dtype=np.float64)
-    if np.isinf(limits).all():
-        return est
-    return Estimates(est.quality, np.minimum(est.length, limits[:, None]), est.embeddings)
-
-
 def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
                  tpot: TpotFn | None, rng: np.random.Generator) -> list[Decision]:
     """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place;
     `rng` breaks the ties that remain after the tie-break keys."""
-    est = capped(batch, est)
     latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
     order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))

@@ -195,7 +195,8 @@ class SchedulingLoop:
                 continue
             groups.setdefault(ticket.request.policy, (policy, []))[1].append(k)
         wanted = [k for policy, rows in groups.values() if policy.needs_estimates for k in rows]
-        estimates = estimate([batch[k] for k in wanted]) if wanted else None
+        estimates = (estimate([batch[k] for k in wanted]).bounded([batch[k].request for k in wanted])
+                     if wanted else None)  # every policy sees lengths within what the request allows
         row_of = {k: j for j, k in enumerate(wanted)}
         for name, (policy, rows) in groups.items():
             est = (estimates.rows([row_of[k] for k in rows])

@@ -7,6 +7,7 @@ asks for them, their Estimates) into Decisions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ class RouteRequest:
     slo_s: float | None = None  # end-to-end SLO, seconds from arrival to the answer's end (None: none)
     tpot_slo_s: float | None = None  # bound on the time per output token (end-to-end / answer tokens)
     slo_class: str = "none"  # the class slo_s falls in (scheduling/slo.py), for metrics and grouping
+    to_max_tokens: bool = False  # the answer runs to max_tokens (vLLM's ignore_eos, no stop strings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,17 @@ class Estimates:
             return self
         idx = np.array(rows, dtype=np.int64)
         return Estimates(self.quality[idx], self.length[idx], None if self.embeddings is None else self.embeddings[idx])
+
+    def bounded(self, requests: Sequence[RouteRequest]) -> Estimates:
+        """The lengths as the requests bound them: cut at max_tokens (an answer cannot run past it), and
+        max_tokens itself for an answer that runs to it (`to_max_tokens`)."""
+        limits = np.array([np.inf if r.max_tokens is None else r.max_tokens for r in requests], dtype=np.float64)
+        if np.isinf(limits).all():
+            return self
+        length = np.minimum(self.length, limits[:, None])
+        exact = [k for k, r in enumerate(requests) if r.to_max_tokens and r.max_tokens is not None]
+        length[exact] = limits[exact, None]
+        return Estimates(self.quality, length, self.embeddings)
 
 
 @dataclass(frozen=True, slots=True)

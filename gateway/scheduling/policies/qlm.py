@@ -60,7 +60,7 @@ from gateway.engine.profiles import load_seconds, spec_for_instance
 from gateway.engine.shared_gpu import gpu_groups
 from gateway.scheduling.policies.base import Policy, PolicyContext, PolicyEntry
 from gateway.scheduling.qlm_plan import GroupView, Queues, choose, greedy_plan, soonest
-from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length
+from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, execution, length, wait
 from gateway.scheduling.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
 from gateway.scheduling.view import PoolView
 
@@ -132,7 +132,31 @@ class Running:
     instance: int
     answer_tokens: float
     deadline: float
+    started: float  # when it was dispatched
+    cv: float  # its length's spread, a share of answer_tokens (0: it runs to its max_tokens)
     streamed: int = 0
+
+    def left(self, now: float, step_s: float) -> float:
+        """Answer tokens it has still to give, in the mean: given the tokens it has made (what it has
+        streamed back, or what the time since dispatch makes at `step_s` a token when that is more: an
+        answer that is not streamed reports nothing until it ends), the rest of a normal length.
+        One that has run past its prediction is still expected to go on a while, not to end now."""
+        done = max(float(self.streamed), (now - self.started) / step_s)
+        return max(self.answer_tokens + self.cv * self.answer_tokens * _overrun(done, self) - done, 1.0)
+
+
+def _overrun(done: float, r: Running) -> float:
+    """E[Z | Z > z] for a standard normal Z (the inverse Mills ratio), z = how far `done` is past r's
+    predicted length, in spreads: what a length of that mean and spread has beyond `done` is its mean
+    plus this many spreads, less `done`."""
+    spread = r.cv * r.answer_tokens
+    if spread <= 0:
+        return 0.0
+    z = (done - r.answer_tokens) / spread
+    tail = 0.5 * math.erfc(z / math.sqrt(2.0))
+    if tail < 1e-12:  # far past: the ratio tends to z + 1/z
+        return z + 1.0 / z
+    return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) / tail
 
 
 class Qlm(Policy):
@@ -332,8 +356,10 @@ class Qlm(Policy):
                 start[q] = QueueLoad.empty(self.models[members[0]], self._running(members[0], view))
                 continue
             i = self.loaded[q]
-            rest = tuple(max(r.answer_tokens - r.streamed, 1.0) for r in self.running.get(i, {}).values())
-            start[q] = QueueLoad.empty(self.models[i], self._running(i, view), rest, member=i)
+            running = self._running(i, view)
+            step = self.models[i].step_s(running)
+            rest = tuple(r.left(view.now, step) for r in self.running.get(i, {}).values())
+            start[q] = QueueLoad.empty(self.models[i], running, rest, member=i)
         return Queues(self.queue_of, start)
 
     def keeps_state(self, ticket: Ticket, instance: int) -> bool:
@@ -386,7 +412,9 @@ class Qlm(Policy):
         model, cv, confidence = self.models[i], self.options.length_cv, self.options.confidence
         answer = length(float(_planned(head).answer_tokens[i]), cv)
         slack = self._deadline(head) - now
-        waiting = completion(model, QueueLoad.empty(model, self._running(i, view)), answer, head.request.input_tokens)
+        running = self._running(i, view)
+        waiting = self._first_slot(i, view, now, answer) + execution(model, answer, head.request.input_tokens,
+                                                                     min(model.cap, running + 1))
         at_once = completion(model, QueueLoad.empty(model, model.cap - 1), answer, head.request.input_tokens)
         if waiting.p_at_most(slack) >= confidence or at_once.p_at_most(slack) < confidence:
             return None
@@ -397,7 +425,7 @@ class Qlm(Policy):
                 continue
             behind = QueueLoad.empty(model, model.cap).plus(answer)
             if self.keeps_state(t, i):  # it resumes: the rest of its answer, nothing to prefill
-                again = completion(model, behind, length(max(r.answer_tokens - r.streamed, 1.0), cv), 0)
+                again = completion(model, behind, length(r.left(now, model.step_s(running)), cv), 0)
             else:
                 again = completion(model, behind, length(r.answer_tokens, cv), t.request.input_tokens)
             if again.p_at_most(self._deadline(t) - now) < confidence:
@@ -407,6 +435,18 @@ class Qlm(Policy):
                 best, best_key = t, key
         return best
 
+    def _first_slot(self, i: int, view: PoolView, now: float, typical: Normal) -> Normal:
+        """Seconds until full instance i frees a slot. When it runs only requests this policy dispatched
+        and vLLM queues none, the end of the one with the least answer left; else Eq. 2's fluid view,
+        the tail of a `typical` answer."""
+        model, running = self.models[i], self._running(i, view)
+        known = list(self.running.get(i, {}).values())
+        if running < model.cap or not known or len(known) < view.in_flight[i] or view.waiting[i] > 0:
+            return wait(model, QueueLoad.empty(model, running), typical)
+        step = model.step_s(running)
+        seconds = min(r.left(now, step) for r in known) * step
+        return Normal(seconds, (self.options.length_cv * seconds) ** 2)
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def on_dispatch(self, ticket: Ticket, plan: DispatchPlan, now: float) -> None:
         detail = ticket.decision.detail if ticket.decision else None
@@ -414,7 +454,9 @@ class Qlm(Policy):
         with self._lock:
             self._leave(ticket)
             self._stop(ticket)  # a request tried again elsewhere (failover) runs in one place
-            self.running.setdefault(plan.instance, {})[ticket] = Running(plan.instance, tokens, self._deadline(ticket))
+            cv = 0.0 if ticket.request.to_max_tokens else self.options.length_cv
+            self.running.setdefault(plan.instance, {})[ticket] = Running(plan.instance, tokens, self._deadline(ticket),
+                                                                         now, cv)
             self._running_on[ticket] = plan.instance
             self.loaded[self.queue_of[plan.instance]] = plan.instance
 
