@@ -15,13 +15,14 @@ One request asking for `routing.mode = "progressive"` (or `X-Route-Mode: progres
    `min_points` points, or a sketch failed twice, goes through normal routing (its cost stays booked,
    and `X-Route-Fallback-Cost-USD` says how much);
 4. one expansion call per point and candidate, all in parallel, on the cheapest models (candidate k
-   on the k-th cheapest, so candidates differ), each asking for logprobs; each point keeps its most
+   on the k-th cheapest, so candidates differ; with a `seed`, candidate k samples with seed + k), each
+   asking for logprobs; each point keeps its most
    confident expansion (mean token logprob); a point whose every candidate failed keeps the sketch's
    own words (`routebalance_progressive_points{result="sketch_text"}`);
 5. the answer: one chat.completion, or a stream that sends the points in order as each is ready.
 
 The sketch and every expansion carry the request's system prompt and earlier turns before their own
-prompt, which replaces the last user turn.
+prompt, which replaces the last user turn, and the request's sampling parameters (`SAMPLING`).
 
 Money: every upstream call reserves its worst case against the key before it goes and pays its real
 cost when it ends (a call the key cannot cover is dropped, like a failed one); the answer's usage is
@@ -89,6 +90,10 @@ log = logging.getLogger("routebalance.progressive")
 CHAT_PATH = "/v1/chat/completions"
 PROGRESSIVE = "progressive"  # the counter's label for a request served progressively
 SKETCH_ATTEMPTS = 2  # a failed sketch is tried once more, on another instance of the largest tier
+# The request's fields every call carries (vLLM's sampling parameters); its stop strings, n, logprobs,
+# response format and the like are not: they would break the sketch's numbered points or the assembly.
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+            "seed")
 
 
 @dataclass(slots=True)
@@ -162,7 +167,8 @@ class Progressive:
 
     # ---- one upstream call -----------------------------------------------------------------------------
     async def _call(self, session: aiohttp.ClientSession, cfg: Config, inst: Instance, messages: list[dict],
-                    max_tokens: int, spend: RequestSpend, calls: Calls, logprobs: bool) -> dict | None:
+                    max_tokens: int, spend: RequestSpend, calls: Calls, logprobs: bool,
+                    sampling: dict) -> dict | None:
         """One non-streamed call, reserved before and paid after; its answer's JSON, or None if it failed."""
         up = cfg.upstream
         timeout = upstream_timeout(up, stream=False)
@@ -170,7 +176,8 @@ class Progressive:
         worst = worst_case_usd(inst, prompt_tokens, max_tokens, 1)
         costing = Costing.for_instance(inst, prompt_tokens, self.token_counter.count, up.max_response_bytes,
                                        cfg.server.tokenize_inline_chars)
-        body: dict = {"model": inst.model, "messages": messages, "max_tokens": max_tokens, "stream": False}
+        body: dict = {**sampling, "model": inst.model, "messages": messages, "max_tokens": max_tokens,
+                      "stream": False}
         if logprobs:
             body["logprobs"] = True
         held = await spend.hold(worst)  # 402 when the key cannot cover it: the caller decides
@@ -245,7 +252,7 @@ class Progressive:
                 break
             try:
                 sketch = await self._call(session, cfg, sketch_inst, sketch_messages, limits.sketch_max_tokens,
-                                          spend, calls, logprobs=False)
+                                          spend, calls, logprobs=False, sampling=_sampling(req, 0))
             except ApiError:  # the key cannot cover it now (others spent meanwhile): normal routing decides
                 if not tried:
                     return self.fall_back("budget")
@@ -273,7 +280,7 @@ class Progressive:
                     return None
                 try:
                     data = await self._call(session, cfg, inst, prompts[index], limits.expansion_max_tokens, spend,
-                                            calls, logprobs=True)
+                                            calls, logprobs=True, sampling=_sampling(req, k))
                 except ApiError:  # the key cannot cover this candidate: dropped
                     return None
                 if data is None:
@@ -336,6 +343,16 @@ class Progressive:
         await write(DONE)
         await resp.write_eof()
         return resp
+
+
+def _sampling(req: CompletionRequest, candidate: int) -> dict:
+    """The request's sampling parameters for one call; with an integer seed, candidate k samples with
+    seed + k, so candidates on one model differ as sampling makes them, and a run repeats."""
+    out = {name: req.body[name] for name in SAMPLING if name in req.body}
+    seed = out.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        out["seed"] = seed + candidate
+    return out
 
 
 def _history(req: CompletionRequest) -> list[dict] | None:

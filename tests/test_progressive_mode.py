@@ -227,9 +227,9 @@ def patched_calls(stack):
     original = prog._call
     patch = Patch()
 
-    async def wrapped(session, cfg, inst, messages, max_tokens, spend, calls, logprobs):
+    async def wrapped(session, cfg, inst, messages, max_tokens, spend, calls, logprobs, sampling):
         async def call():
-            return await original(session, cfg, inst, messages, max_tokens, spend, calls, logprobs)
+            return await original(session, cfg, inst, messages, max_tokens, spend, calls, logprobs, sampling)
         if not logprobs:
             patch.sketched_on.append(inst.name)
         return await patch.hooks[0](messages, logprobs, call) if patch.hooks else await call()
@@ -366,3 +366,29 @@ def test_a_lost_sketch_is_tried_once_more_on_the_other_72b(stack, patched_calls)
     k, cands = int(raw.headers["X-Route-Points"]), int(raw.headers["X-Route-Candidates"])
     assert after["requests"] - before["requests"] == 2 + k * cands  # both sketches, then the expansions
     assert r.usage.completion_tokens == after["generation"] - before["generation"]  # the lost one counts too
+
+
+def test_every_call_carries_the_request_sampling_and_each_candidate_its_own_seed(stack, monkeypatch):
+    """On the wire: what the gateway sends each instance."""
+    import orjson
+
+    import gateway.progressive_mode as mode
+
+    sent: list[dict] = []
+    original = mode.open_upstream
+
+    async def recording(session, inst, path, payload, timeout, stream):
+        sent.append(orjson.loads(payload))
+        return await original(session, inst, path, payload, timeout, stream)
+
+    monkeypatch.setattr(mode, "open_upstream", recording)
+    raw = ask(client(stack), temperature=0.3, top_p=0.9, seed=7, extra_body=PROGRESSIVE)
+    points, n_cand = int(raw.headers["X-Route-Points"]), int(raw.headers["X-Route-Candidates"])
+    sketch, expansions = sent[0], sent[1:]
+    assert "logprobs" not in sketch and all(e["logprobs"] for e in expansions)
+    assert len(expansions) == points * n_cand and n_cand >= 2
+    assert all(b["temperature"] == 0.3 and b["top_p"] == 0.9 for b in sent)
+    assert sketch["seed"] == 7 and sorted({e["seed"] for e in expansions}) == list(range(7, 7 + n_cand))
+    sent.clear()
+    ask(client(stack), extra_body=PROGRESSIVE)  # none asked for: none sent, the instances' defaults apply
+    assert sent and not any({"temperature", "top_p", "seed"} & b.keys() for b in sent)
