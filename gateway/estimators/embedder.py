@@ -192,8 +192,8 @@ class Embedder:
     def _embed_into(self, out: np.ndarray, encodings, rows: np.ndarray) -> None:
         """Embed the texts at `rows` into those rows of `out`."""
         lengths = np.array([len(encodings[r].ids) for r in rows])
-        order = rows[np.argsort(lengths, kind="stable")]
-        sorted_lengths = np.sort(lengths, kind="stable")
+        by_length = np.argsort(lengths, kind="stable")
+        order, sorted_lengths = rows[by_length], lengths[by_length]
         for start, stop in plan_sub_batches(sorted_lengths, self.batch_size):
             idx = order[start:stop]
             width = int(sorted_lengths[stop - 1])

@@ -56,12 +56,13 @@ PROGRESSIVE = "progressive"
 
 
 @functools.cache
-def _head_tokens() -> tuple[int, int]:
-    """Tokens the sketch and expansion heads add to a question (Qwen2.5's tokenizer)."""
+def _head_tokens(max_points: int) -> tuple[int, int]:
+    """Tokens the sketch (asking for `max_points` points) and expansion heads add to a question (Qwen2.5's
+    tokenizer)."""
     from gateway.tokens import TokenCounter
 
     count = TokenCounter().count
-    return (count(SKETCH_HEAD.format(max_points=8) + QUESTION_MARK),
+    return (count(SKETCH_HEAD.format(max_points=max_points) + QUESTION_MARK),
             count(EXPANSION_HEAD.format(point=1) + SKELETON_MARK + QUESTION_MARK))
 
 
@@ -113,7 +114,7 @@ def plan_all(prompts, prompt_tokens: np.ndarray, label_length: np.ndarray, predi
         raise ValueError("progressive mode needs two models in the pool")
     large, small = picked
     column = next(k for k, inst in enumerate(instances) if inst.model == large)
-    sketch_head, expand_head = _head_tokens()
+    sketch_head, expand_head = _head_tokens(limits.max_points)
     n = len(prompts)
     modes: list[str] = []
     plans: dict[int, Plan] = {}
