@@ -38,6 +38,12 @@ def held_out() -> list[str]:
     return [r.prompt for r in evaluation_records(load_config(default_config_path()), EVAL_PROMPTS)]
 
 
+def require_loopback(url: str) -> None:
+    """Exit unless `url` is on this machine: load tests target loopback addresses only."""
+    if urlsplit(url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit("load tests target loopback addresses only")
+
+
 @dataclass
 class Arm:
     latency: list[float] = field(default_factory=list)
@@ -130,8 +136,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--key", default="unused")
     args = ap.parse_args()
-    if urlsplit(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
-        raise SystemExit("load tests target loopback addresses only")
+    require_loopback(args.url)
     if not (1 <= args.requests <= 3534 and 1 <= args.rounds <= 10 and 0 < args.rate <= 50):
         raise SystemExit("--requests 1..3534, --rounds 1..10, --rate in (0, 50]")
     report(asyncio.run(run(args)), args)

@@ -19,11 +19,10 @@ import json
 import random
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 from decisions import histogram  # loadtest/, this script's directory
-from progressive_compare import held_out
+from progressive_compare import held_out, require_loopback
 from prometheus_client.parser import text_string_to_metric_families
 
 STAGES = (("routebalance_batch_wait_seconds", "wait for the batch", "request"),
@@ -121,8 +120,7 @@ def main() -> None:
     ap.add_argument("--key", default="unused")
     ap.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = ap.parse_args()
-    if urlsplit(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
-        raise SystemExit("load tests target loopback addresses only")
+    require_loopback(args.url)
     if not (0 < args.rate <= 200 and 0 < args.seconds <= 900):
         raise SystemExit("--rate in (0, 200], --seconds in (0, 900]")
     before = histograms(httpx.get(args.url + "/metrics", timeout=5).text)
