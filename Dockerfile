@@ -34,8 +34,8 @@ COPY --chown=10001:10001 models/qos_rl ./models/qos_rl
 
 # Numeric, so Kubernetes' runAsNonRoot can verify it without a runAsUser.
 USER 10001:10001
-# Build the estimators into the image (minutes), as the service user so that a config with
-# another pool can rebuild them at start, and in this one layer (a later chown would copy them).
+# Build the estimators into the image (minutes), as the service user. `serve` never builds: a mounted
+# config with another estimator setup needs its own image (or a models volume); one layer (a later chown would copy them).
 RUN routebalance --log-level WARNING train
 
 VOLUME /app/data

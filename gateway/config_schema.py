@@ -11,7 +11,7 @@ than one field live in the section's ``_validate``. Both also run when a
 section is built directly in code (tests, the simulator, per-request
 overrides), so an invalid object cannot exist.
 
-This module is a leaf: the config itself (gateway/config.py) and every
+This module is a leaf: the config itself (gateway/config/sections.py) and every
 policy's own table (``[policies.<name>]``, declared in the policy's module)
 are built with it, so a policy never imports the config that lists it.
 """

@@ -261,7 +261,7 @@ def command_line() -> str:
 
 def add_stack_arguments(ap: argparse.ArgumentParser, concurrency: int) -> None:
     """The options of the stack under test and of the requests sent to it."""
-    from gateway.config import default_config_path
+    from gateway.config.store import default_config_path
 
     ap.add_argument("--config", type=Path, default=default_config_path(), help="config to copy (default: packaged)")
     ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"routing policy (default {DEFAULT_POLICY})")
@@ -324,8 +324,8 @@ def run_script(main: Callable[[], int]) -> None:
 def held_out_prompts(config: Path, n: int) -> list[str]:
     """Held-out prompts of the synthetic workload (as the simulator and the load tests replay them):
     the emulator answers them at their labelled lengths; the estimators never trained on them."""
-    from gateway.config import load_config
-    from gateway.sim.evalset import evaluation_records
+    from gateway.config.store import load_config
+    from gateway.lab.sim.evalset import evaluation_records
 
     return [r.prompt for r in evaluation_records(load_config(config), n)]
 

@@ -148,7 +148,7 @@ def wait_http(url: str, stack: Stack, timeout_s: float) -> None:
 
 def make_configs(ports: dict, replicas: int, redis_url: str | None, keys: dict[str, str]) -> list[dict]:
     """deploy/config.toml moved to loopback: one config per replica (its own ports), all on one pool."""
-    from gateway.trust.keys import hash_key
+    from gateway.tenancy.keys import hash_key
 
     base = tomllib.loads(BASE_CONFIG.read_text())
     base["server"] = {"host": "127.0.0.1"}
@@ -177,8 +177,8 @@ def drive_load(bases: list[str], keys: dict[str, str], seconds: float, rate: flo
     worker thread; returns counts per key and outcome."""
     import openai
 
-    from gateway.workload import split
-    from gateway.workload.synthetic import generate
+    from gateway.lab.workload.synthetic import generate
+    from gateway.records import split
 
     prompts = [r.prompt[:MESSAGES_CAP] for r in split(generate(600, seed=1))[1]]
     clients = {(b, k): openai.OpenAI(base_url=b, api_key=v, timeout=60, max_retries=0)
@@ -334,7 +334,7 @@ def main() -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: apt-get install {tool.split('-')[0]}")
 
-    from gateway.trust.keys import new_key
+    from gateway.tenancy.keys import new_key
 
     bin_dir = Path(sys.executable).parent
     routebalance = str(bin_dir / "routebalance") if (bin_dir / "routebalance").exists() else "routebalance"

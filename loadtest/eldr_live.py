@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 from live_check import wait_healthy  # loadtest/, this script's directory
 
-from gateway.config import load_config
-from gateway.sim.arrivals import ArrivalSpec, arrival_times
-from gateway.sim.evalset import evaluation_records
-from gateway.sim.pools import MOE_EXAMPLE
-from gateway.sim.replay import REQUEST_TIMEOUT_S, replay
+from gateway.config.store import load_config
+from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
+from gateway.lab.sim.evalset import evaluation_records
+from gateway.lab.sim.pools import MOE_EXAMPLE
+from gateway.lab.sim.replay import REQUEST_TIMEOUT_S, replay
 
 POLICIES = ("eldr", "passthrough+round_robin")
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from gateway.config import default_config_path, load_config
+from gateway.config.store import default_config_path, load_config
+from gateway.core.pool_state import PoolState
+from gateway.core.request import RouteRequest
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.embedder import Embedder
-from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.policies import registry
-from gateway.scheduling.request import RouteRequest
-from gateway.sim.evalset import evaluation_records
+from gateway.lab.sim.evalset import evaluation_records
+from gateway.policies import registry
 
 BATCH = 16
 
@@ -35,7 +35,7 @@ def picks(cfg, estimators: Estimators, prompts: list[str], weights) -> list[str]
     out = []
     for k in range(0, len(prompts), BATCH):
         texts = prompts[k:k + BATCH]
-        view = PoolLedger().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
+        view = PoolState().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
         decisions = policy.assign([RouteRequest(everyone, t, 60, None, weights) for t in texts],
                                   estimators.for_instances(texts, cfg.instances), view)
         out += [cfg.instances[d.ranked[0]].model for d in decisions]

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import httpx
 
-from gateway.config import default_config_path, load_config
-from gateway.estimators.build import ensure_built
+from gateway.config.store import default_config_path, load_config
 from gateway.estimators.bundle import Estimators
-from gateway.sim.arrivals import ArrivalSpec, arrival_times
-from gateway.sim.evalset import load_evalset
-from gateway.sim.metrics import summarise
-from gateway.sim.replay import REQUEST_TIMEOUT_S, replay
-from gateway.sim.simulator import CellSpec, run_cell
+from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
+from gateway.lab.sim.evalset import load_evalset
+from gateway.lab.sim.metrics import summarise
+from gateway.lab.sim.replay import REQUEST_TIMEOUT_S, replay
+from gateway.lab.sim.simulator import CellSpec, run_cell
+from gateway.lab.training.build import ensure_built
 
 # How far live may sit from simulated: relative for times, absolute for shares and quality.
 TOLERANCE = {"quality": ("abs", 0.01), "e2e_mean": ("rel", 0.15), "e2e_p50": ("rel", 0.15),

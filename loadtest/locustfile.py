@@ -29,9 +29,9 @@ import orjson
 from locust import FastHttpUser, events, task
 from locust.exception import StopUser
 
-from gateway.scheduling.slo import BATCH_SLO_S, parse_slo_mix
-from gateway.workload import split
-from gateway.workload.synthetic import generate
+from gateway.core.slo import BATCH_SLO_S, parse_slo_mix
+from gateway.lab.workload.synthetic import generate
+from gateway.records import split
 
 # Held-out prompts of the synthetic labelled workload: the emulator answers them
 # at their labelled lengths and the estimators never saw them in training.

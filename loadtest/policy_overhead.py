@@ -20,11 +20,11 @@ HOOKS = ("admit", "assign", "hold", "evict", "on_dispatch", "on_first_token", "o
 
 
 def timed_cell(cfg, ev, est, policy: str, requests: int, rate: float, model: str | None) -> dict[str, list[float]]:
-    from gateway.scheduling.policies import registry
-    from gateway.scheduling.policies.base import Policy
-    from gateway.sim.arrivals import ArrivalSpec
-    from gateway.sim.simulator import CellSpec, run_cell
-    from gateway.sim.slo_sweeps import MEGA_SHARE, SLO_MIX, STREAM_BELOW_S
+    from gateway.core.policy import Policy
+    from gateway.lab.experiments.slo_sweeps import MEGA_SHARE, SLO_MIX, STREAM_BELOW_S
+    from gateway.lab.sim.arrivals import ArrivalSpec
+    from gateway.lab.sim.simulator import CellSpec, run_cell
+    from gateway.policies import registry
 
     times: dict[str, list[float]] = defaultdict(list)
     cls = type(registry.build(policy, cfg, est))
@@ -58,10 +58,10 @@ def timed_cell(cfg, ev, est, policy: str, requests: int, rate: float, model: str
 
 
 def main() -> None:
-    from gateway.config import default_config_path, load_config
-    from gateway.estimators.bundle import Estimators
-    from gateway.sim.evalset import load_evalset
-    from gateway.sim.slo_sweeps import ONE_MODEL
+    from gateway.config.store import default_config_path, load_config
+    from gateway.lab.experiments.slo_sweeps import ONE_MODEL
+    from gateway.lab.sim.evalset import load_evalset
+    from gateway.lab.training.build import built_estimators
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="qlm,edf,qos,qos-rl")
@@ -72,7 +72,7 @@ def main() -> None:
                          "the whole 13-instance pool")
     args = ap.parse_args()
     cfg = load_config(default_config_path())
-    est = Estimators.built(cfg)
+    est = built_estimators(cfg)
     ev = load_evalset(cfg, args.requests, estimators=est)
     print(f"{'policy':<10} {'ms/request':>10}  per hook: calls, mean ms, max ms")
     for policy in args.policies.split(","):

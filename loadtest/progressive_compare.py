@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gateway.config import default_config_path, load_config
-from gateway.scheduling.progressive import fallback_reason
-from gateway.sim.evalset import EVAL_PROMPTS, evaluation_records
+from gateway.config.store import default_config_path, load_config
+from gateway.core.progressive import fallback_reason
+from gateway.lab.sim.evalset import EVAL_PROMPTS, evaluation_records
 
 LARGE = "Qwen/Qwen2.5-72B-Instruct"
 ARMS = ("normal-72B", "progressive")

@@ -33,14 +33,14 @@ from pathlib import Path
 import httpx
 from peers import ROOT, ensure_wrk, free_port, run_wrk, start
 
-from gateway.accounting import worst_case_usd
-from gateway.config import load_config
+from gateway.config.store import load_config
+from gateway.lab.workload.synthetic import generate
+from gateway.records import split
 from gateway.state.link import RedisLink
-from gateway.state.spend import RedisSpendLedger
+from gateway.tenancy.keys import hash_key
+from gateway.tenancy.spend.redis import RedisSpendLedger
+from gateway.tenancy.spend.request import worst_case_usd
 from gateway.tokens import TokenCounter
-from gateway.trust.keys import hash_key
-from gateway.workload import split
-from gateway.workload.synthetic import generate
 
 FREE_KEY, LIMITED_KEY = "rb-replicas-free-" + os.urandom(8).hex(), "rb-replicas-limited-" + os.urandom(8).hex()
 PROMPTS = [r.prompt for r in split(generate(2000, seed=0))[1]][:200]  # held out: never trained on

@@ -113,7 +113,7 @@ async def soak(args, stack: Stack, prompts: list[str]) -> tuple[Tally, list[dict
 
 
 def main() -> int:
-    from gateway.sim.evalset import EVAL_PROMPTS
+    from gateway.lab.sim.evalset import EVAL_PROMPTS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0, help="minutes of load")

@@ -16,14 +16,14 @@ import pytest
 import uvloop
 
 from gateway.cli import start_emulator, start_gateway
-from gateway.config import ConfigStore, default_config_path, load_config
-from gateway.estimators.build import ensure_built
+from gateway.config.store import ConfigStore, default_config_path, load_config
 from gateway.estimators.bundle import Estimators
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.evalset import ComputeCost, load_evalset, subset
-from gateway.sim.metrics import summarise
-from gateway.sim.qos_eval import pool_names
-from gateway.sim.simulator import CellSpec, run_cell
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.evalset import ComputeCost, load_evalset, subset
+from gateway.lab.sim.metrics import summarise
+from gateway.lab.sim.pools import pool_names
+from gateway.lab.sim.simulator import CellSpec, run_cell
+from gateway.lab.training.build import ensure_built
 
 RECORDS = 2000  # a small synthetic training set: the whole suite shares one build of it
 ADMIN_TOKEN = "test-admin-token"
@@ -112,7 +112,7 @@ def built(tmp_path_factory):
     return cfg, manifest, Estimators.load(cfg)
 
 
-# The scheduler's compute per batch as measured on a quiet 2-core machine (gateway/sim/evalset.py measures
+# The scheduler's compute per batch as measured on a quiet 2-core machine (gateway/lab/sim/evalset.py measures
 # it when it builds an evaluation set, so a set built while other work loads the cores charges more).
 STEADY_COST = ComputeCost(estimate_fixed_s=0.0025, estimate_per_request_s=0.0115, score_fixed_s=0.0041,
                           score_per_request_s=0.00064, plain_score_fixed_s=5e-5, plain_score_per_request_s=2.9e-5)

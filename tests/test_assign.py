@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gateway.config import default_config_path, load_config
-from gateway.scheduling.assign import RouteBalanceOptions, assign_batch, budget_filter, lpt_order
-from gateway.scheduling.budget import predicted_cost
-from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.request import Estimates, RouteRequest
-from gateway.scheduling.scoring import eq1, expected_latency
-from gateway.workload import split
-from gateway.workload.synthetic import generate
+from gateway.config.store import default_config_path, load_config
+from gateway.core.budget import predicted_cost
+from gateway.core.pool_state import PoolState
+from gateway.core.request import Estimates, RouteRequest
+from gateway.core.scoring import eq1, expected_latency
+from gateway.lab.workload.synthetic import generate
+from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch, budget_filter, lpt_order
+from gateway.records import split
 
 RNG = np.random.default_rng  # a fresh seeded tie-break stream per call
 
@@ -24,7 +24,7 @@ UNIFORM = (1 / 3, 1 / 3, 1 / 3)
 
 
 def idle_view(cfg=CFG):
-    return PoolLedger().snapshot(cfg.instances, now=0.0, stale_after_s=3.0)
+    return PoolState().snapshot(cfg.instances, now=0.0, stale_after_s=3.0)
 
 
 def request(candidates=None, weights=UNIFORM, budget=None, input_tokens=100, text="x"):
@@ -119,7 +119,7 @@ def test_budget_keeps_what_it_can_pay_and_refuses_the_rest():
 
 
 def test_losing_a_tier_routes_everything_to_the_rest():
-    acct = PoolLedger()
+    acct = PoolState()
     for inst in CFG.instances:
         if inst.model == MODELS["72b"]:
             acct.unreachable(inst.name, 0.0, SimpleNamespace(failure_threshold=1, cooldown_s=1.0, max_cooldown_s=1.0))

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from test_pipeline import LABELLED, MODELS, cluster_knn, indices, make_pipeline, near, pool, request, view_of
 
-from gateway.config import ConfigError, default_config_path, parse_config
+from gateway.config.sections import parse_config
+from gateway.config.store import default_config_path
+from gateway.config_schema import ConfigError
+from gateway.core.request import Estimates
 from gateway.estimators.knn import PROMPT_TOKENS, KnnEstimator
-from gateway.scheduling.request import Estimates
 
 
 @pytest.fixture(scope="module")

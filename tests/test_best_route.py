@@ -10,15 +10,17 @@ import pytest
 from test_pipeline import DIM, LABELLED, indices, make_pipeline, pool, request, unit, view_of
 
 from conftest import RECORDS
-from gateway.config import ConfigError, default_config_path, parse_config
-from gateway.estimators.build import label_arrays
+from gateway.config.sections import parse_config
+from gateway.config.store import default_config_path
+from gateway.config_schema import ConfigError
+from gateway.core.request import Estimates
 from gateway.estimators.knn import KnnEstimator
-from gateway.scheduling.policies import registry
-from gateway.scheduling.policies.best_route import ShortfallClassifier
-from gateway.scheduling.policies.routers import model_prices
-from gateway.scheduling.request import Estimates
-from gateway.workload import split
-from gateway.workload.synthetic import generate
+from gateway.lab.training.build import label_arrays
+from gateway.lab.workload.synthetic import generate
+from gateway.policies import registry
+from gateway.policies.pipeline.best_route import ShortfallClassifier
+from gateway.policies.pipeline.routers import model_prices
+from gateway.records import split
 
 # Two kinds of prompt, around basis vectors 0 and 1. How often each cheaper model falls short of big:
 SHORTFALL = {"A": {"small": 0.9, "mid": 0.6}, "B": {"small": 0.2, "mid": 0.3}}

@@ -17,9 +17,10 @@ from aiohttp import web
 
 from conftest import free_port
 from gateway.api.parse import CompletionRequest, RoutingOptions
-from gateway.config import default_config_path, load_config
-from gateway.emulator.server import EmulatedPool
-from gateway.relay import (
+from gateway.config.store import default_config_path, load_config
+from gateway.core.budget import clamp_max_tokens, per_token, predicted_cost
+from gateway.lab.emulator.server import EmulatedPool
+from gateway.serving.relay import (
     AnswerTooLarge,
     Costing,
     RelayResult,
@@ -29,7 +30,6 @@ from gateway.relay import (
     relay_stream,
     upstream_payload,
 )
-from gateway.scheduling.budget import clamp_max_tokens, per_token, predicted_cost
 from gateway.tokens import TokenCounter
 
 MODEL = "Qwen/Qwen2.5-72B-Instruct"
@@ -139,7 +139,7 @@ GATEWAY = web.AppKey("gateway", dict)
 
 
 async def mini_gateway(request: web.Request) -> web.StreamResponse:
-    """The relay's part of a budgeted request, called as gateway/server.py should call it."""
+    """The relay's part of a budgeted request, called as gateway/serving/app.py should call it."""
     g = request.app[GATEWAY]
     body = await request.json()
     routing = body.pop("routing", {})

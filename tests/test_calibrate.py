@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import pool_config
-from gateway.sim import calibrate
-from gateway.sim.calibrate import Target, achieved, check, table
+from gateway.lab.experiments import calibrate
+from gateway.lab.experiments.calibrate import Target, achieved, check, table
 
 SLACK = 2.0  # 30% on a figure, 10 points on a tier share
 REQUESTS = 700
@@ -64,13 +64,20 @@ def test_the_world_stays_near_the_papers(built, tmp_path):
         "uniform, mean E2E at 12 req/s (s)"].value
 
 
-def test_every_offline_command_runs_offline():
-    """A command added with the offline ones must not fall through to the server's event loop."""
+def test_every_command_but_the_servers_runs_offline_and_only_the_lab_commands_import_the_lab():
+    """A command added beside keys and policies, or to the lab's, must have its function (else it falls
+    through to the server's event loop); and the lab's commands are the ones main() imports the lab for."""
     import argparse
 
     from gateway import cli
+    from gateway.lab import cli as lab
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    cli.add_offline_commands(sub)
-    assert set(sub.choices) == set(cli.OFFLINE)
+    cli.add_commands(sub)
+    assert set(sub.choices) == set(cli.COMMANDS)
+    lab.add_commands(sub, cli.config_option)
+    assert set(sub.choices) == set(cli.COMMANDS) | set(lab.COMMANDS)
+    assert not set(lab.COMMANDS) & set(cli.SERVING)
+    assert cli.wanted(["--log-level", "debug", "serve", "--config", "x.toml"]) == "serve"
+    assert cli.wanted(["sim", "--json"]) == "sim"

@@ -8,17 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import (
-    Config,
-    ConfigError,
-    ConfigStore,
-    Instance,
-    Weights,
-    default_config_path,
-    load_config,
-    parse_config,
-)
-from gateway.engine.profiles import spec_for_instance
+from gateway.config.sections import Config, Instance, Weights, parse_config
+from gateway.config.store import ConfigStore, default_config_path, load_config
+from gateway.config_schema import ConfigError
+from gateway.core.engine.profiles import spec_for_instance
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,7 +70,7 @@ def test_default_config_is_the_paper_pool():
 def test_top_level_config_toml_is_a_relative_symlink_to_the_default():
     link = REPO / "config.toml"
     assert link.is_symlink()
-    assert os.readlink(link) == "gateway/default_config.toml"
+    assert os.readlink(link) == "gateway/config/default.toml"
     assert load_config(link) == load_config(default_config_path())
 
 

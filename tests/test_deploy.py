@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import parse_config
-from gateway.metrics import GatewayMetrics
+from gateway.config.sections import parse_config
+from gateway.serving.metrics import GatewayMetrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S_VERSION = "1.31.0"  # a version whose schemas kubernetes-validate ships (it has 1.25 to its own)
@@ -262,7 +262,7 @@ def test_scripts_parse(script):
 def test_deploy_pools_use_the_image_estimators():
     """The image's estimators are built for the default pool: a deploy pool whose tiers (model, GPU,
     TPOT prior) all appear there starts without fitting new latency heads."""
-    from gateway.config import default_config_path, load_config
+    from gateway.config.store import default_config_path, load_config
 
     tiers = {(i.model, i.gpu, i.tpot_prior_ms) for i in load_config(default_config_path()).instances}
     docs = {d["kind"]: d for path in MANIFESTS for d in _documents(path) if d["kind"] in ("ConfigMap", "Secret")}

@@ -12,21 +12,21 @@ import math
 import numpy as np
 import pytest
 
-from gateway.config import default_config_path, load_config
-from gateway.engine.engine import Engine
-from gateway.engine.moe import ExpertModel, MoeSpec, union_reduction
-from gateway.engine.profiles import spec_for_instance
-from gateway.estimators.centroids import balanced_assignment, balanced_kmeans, fit
-from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.policies import registry
-from gateway.scheduling.policies.dispatchers import PowerOfTwo
-from gateway.scheduling.policies.eldr import Eldr, EldrOptions, band_order
-from gateway.scheduling.request import Estimates, RouteRequest
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.evalset import ComputeCost, EvalSet
-from gateway.sim.pools import MOE_EXAMPLE
-from gateway.sim.simulator import CellSpec, run_cell
-from gateway.workload.synthetic import KINDS
+from gateway.config.store import default_config_path, load_config
+from gateway.core.engine.engine import Engine
+from gateway.core.engine.moe import ExpertModel, MoeSpec, union_reduction
+from gateway.core.engine.profiles import spec_for_instance
+from gateway.core.pool_state import PoolState
+from gateway.core.request import Estimates, RouteRequest
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.evalset import ComputeCost, EvalSet
+from gateway.lab.sim.pools import MOE_EXAMPLE
+from gateway.lab.sim.simulator import CellSpec, run_cell
+from gateway.lab.workload.synthetic import KINDS
+from gateway.policies import registry
+from gateway.policies.eldr.centroids import balanced_assignment, balanced_kmeans, fit
+from gateway.policies.eldr.policy import Eldr, EldrOptions, band_order
+from gateway.policies.pipeline.dispatchers import PowerOfTwo
 
 SHARES = {k: v.share for k, v in KINDS.items()}
 MOE = load_config(MOE_EXAMPLE)
@@ -68,7 +68,7 @@ def test_uneven_counts_are_capped_at_the_ceiling_and_every_point_is_assigned():
 # ---- the tau band --------------------------------------------------------------------------------
 
 def view_of(instances, running):
-    view = PoolLedger().snapshot(instances, 0.0, 3.0)
+    view = PoolState().snapshot(instances, 0.0, 3.0)
     view.running[:] = running
     return view
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.estimators import ArtefactError
+from gateway.artefacts import ArtefactError
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
-from gateway.estimators.minilm_export import (
-    ReferenceMiniLM,
-    export_minilm_onnx,
-    read_safetensors,
-    weights_dir,
-)
+from gateway.estimators.minilm_export import ReferenceMiniLM, export_minilm_onnx, read_safetensors, weights_dir
 
 LONG = (
     "Summarise the following report for a busy manager. The quarterly numbers show that the bike-sharing "

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.config import default_config_path, load_config
-from gateway.engine.engine import Engine
-from gateway.engine.profiles import spec_for_instance as spec_of
+from gateway.config.store import default_config_path, load_config
+from gateway.core.engine.engine import Engine
+from gateway.core.engine.profiles import spec_for_instance as spec_of
 
 TIERS = {}
 for _inst in load_config(default_config_path()).instances:

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import RECORDS, small_config
-from gateway.estimators import ArtefactError
-from gateway.estimators.build import ensure_built, format_report, label_arrays, preset_quality
+from gateway.artefacts import ArtefactError
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.knn import KnnEstimator
-from gateway.workload import MAX_OUTPUT_TOKENS, split
-from gateway.workload.synthetic import generate
+from gateway.lab.training.build import ensure_built, format_report, label_arrays, preset_quality
+from gateway.lab.workload.synthetic import generate
+from gateway.records import MAX_OUTPUT_TOKENS, split
 
 
 def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):

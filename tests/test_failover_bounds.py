@@ -26,8 +26,8 @@ from aiohttp import web
 from stubs import TOKEN, Stub, StubStack, stub_config, stub_instance
 
 from conftest import wait_for
-from gateway.scheduling.ledger import Health
-from gateway.trust.keys import hash_key
+from gateway.core.pool_state import InstanceHealth
+from gateway.tenancy.keys import hash_key
 
 HI = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "auto", "messages": HI, "max_tokens": 4}
@@ -182,7 +182,7 @@ def test_a_404_is_retried_elsewhere_never_passed_on(tmp_path, threshold):
 
 def test_health_breaker_threshold_backoff_cap_and_half_open_probe():
     rules = SimpleNamespace(failure_threshold=3, cooldown_s=1.0, max_cooldown_s=5.0)
-    h = Health()
+    h = InstanceHealth()
     a, b, c = object(), object(), object()
     assert h.routable(0.0) and not h.cooling(0.0)
 
@@ -241,7 +241,7 @@ def test_health_breaker_threshold_backoff_cap_and_half_open_probe():
 
 def test_health_a_failure_without_a_request_counts_and_a_non_probe_does_not_take_the_probe():
     rules = SimpleNamespace(failure_threshold=1, cooldown_s=1.0, max_cooldown_s=60.0)
-    h = Health()
+    h = InstanceHealth()
     h.failed(None, 0.0, rules)  # an unreachable scrape: as good as a failed attempt
     assert not h.routable(0.5)
     probe, other = object(), object()
@@ -489,10 +489,45 @@ def test_slow_request_body_gets_408(bounds, stub):
 
 # ---- finding 6: the connection cap -----------------------------------------------------------------
 
+def test_two_listeners_share_a_port_with_reuse_port():
+    """SO_REUSEPORT through aiohttp's public API (the listener the gateway serves on): what several worker
+    processes on one port need; without it the port is taken."""
+    from conftest import free_port
+    from gateway.serving.app import CappedListener
+
+    port = free_port()
+
+    async def health(request):
+        return web.json_response({"status": "ok"})
+
+    async def scenario() -> list[int]:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runners = [web.AppRunner(app), web.AppRunner(app)]
+        listeners = []
+        try:
+            for runner in runners:
+                await runner.setup()
+                listeners.append(CappedListener(runner, 8))
+                await listeners[-1].start("127.0.0.1", port, reuse_port=True)
+            lone = web.AppRunner(web.Application())
+            await lone.setup()
+            with pytest.raises(OSError):
+                await CappedListener(lone, 8).start("127.0.0.1", port)
+            await lone.cleanup()
+            async with httpx.AsyncClient(timeout=5) as client:
+                return [(await client.get(f"http://127.0.0.1:{port}/health")).status_code for _ in range(4)]
+        finally:
+            for listener in listeners:
+                await listener.cleanup()
+
+    assert asyncio.run(scenario()) == [200] * 4
+
+
 def test_connections_beyond_the_cap_are_closed_at_once(tmp_path):
     cap = 4
     with running(tmp_path, [Stub()], server={"max_connections": cap}) as stack:
-        server = stack.runners[0].server
+        server = stack.runners[0].runner.server
 
         def open_connections() -> int:
             return stack.run(lambda: len(server.connections))

@@ -14,9 +14,9 @@ import pytest
 from stubs import MODEL, Stub, StubStack, stub_config, stub_instance
 
 from conftest import free_port, wait_for
-from gateway.scheduling.budget import clamp_max_tokens, per_token, predicted_cost
-from gateway.trust.keys import hash_key
-from gateway.trust.spend import SpendLedger, SqliteSpendStore, period_start
+from gateway.core.budget import clamp_max_tokens, per_token, predicted_cost
+from gateway.tenancy.keys import hash_key
+from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 
 KEY, OTHER = "rb-test-key-a", "rb-test-key-b"
 MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
@@ -55,8 +55,10 @@ def test_keys_are_required_and_limit_models_and_rate(tmp_path, stubs):
         assert client(stack).chat.completions.create(model=MODEL, messages=MESSAGES).choices
 
         b = client(stack, key=OTHER)
-        with pytest.raises(openai.PermissionDeniedError):  # key b may name only "auto"
+        assert [m.id for m in b.models.list()] == ["auto"]  # it sees only what it may name
+        with pytest.raises(openai.PermissionDeniedError) as e:  # key b may name only "auto"
             b.chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert e.value.body["type"] == "permission_error" and e.value.code == "model_not_allowed"
         b.chat.completions.create(model="auto", messages=MESSAGES)  # its first request of the minute...
         with pytest.raises(openai.RateLimitError) as e:  # ...the 403 above counted too: 2 a minute
             b.chat.completions.create(model="auto", messages=MESSAGES)
@@ -86,6 +88,7 @@ def test_admin_is_off_without_a_token_and_posts_must_be_json(tmp_path, stubs):
         r = httpx.post(stack.base_url + "/chat/completions", timeout=5, headers={"Content-Type": "text/plain"},
                        content=b'{"model": "auto", "messages": [{"role": "user", "content": "hi"}]}')
         assert r.status_code == 415 and r.json()["error"]["message"].startswith("Content-Type must be")
+        assert r.json()["error"]["type"] == "invalid_request_error"
         assert stubs[0].requests == [] and stubs[1].requests == []
     finally:
         stack.stop()
@@ -174,6 +177,27 @@ def test_a_limited_key_never_overspends_under_concurrency_and_keeps_its_spend_ac
         assert e.value.status_code == 402 and e.value.code == "spend_limit_exceeded"
     finally:
         again.stop()
+
+
+def test_a_402_from_the_reservation_says_so_and_how_much_it_reserved(tmp_path, stubs):
+    # The key has room for a short answer, but not for the worst case of a prompt with an image: the gateway
+    # cannot count an image's tokens, so it reserves the instance's whole context.
+    limit = 3 * predicted_cost(30, 20, PRICE_IN, PRICE_OUT)
+    stack = StubStack(keyed(tmp_path, stubs, limit=limit), stubs)
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    try:
+        c = client(stack)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=MODEL, messages=image, max_tokens=20)
+        message = e.value.body["message"]
+        assert e.value.status_code == 402 and e.value.code == "spend_limit_exceeded"
+        assert "worst case" in message and "max_tokens" in message and e.value.body["param"] == "max_tokens"
+        reserved = float(message.split("worst case of ")[1].split(" USD")[0])
+        assert reserved > limit  # the amount it names is the one that did not fit
+        assert c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20).choices  # money was left
+    finally:
+        stack.stop()
 
 
 def test_a_stream_whose_client_leaves_on_done_pays_its_real_cost_not_the_worst_case(tmp_path, stubs, monkeypatch):

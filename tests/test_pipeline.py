@@ -7,12 +7,12 @@ import types
 import numpy as np
 import pytest
 
-from gateway.config import Config, Instance
+from gateway.config.sections import Config, Instance
+from gateway.core.request import Estimates, RouteRequest
+from gateway.core.view import PoolView
 from gateway.estimators.knn import KnnEstimator
-from gateway.scheduling.policies import registry
-from gateway.scheduling.policies.dispatchers import RoundRobin, ShortestQueue
-from gateway.scheduling.request import Estimates, RouteRequest
-from gateway.scheduling.view import PoolView
+from gateway.policies import registry
+from gateway.policies.pipeline.dispatchers import RoundRobin, ShortestQueue
 
 DIM = 16
 # model -> (USD per 1M input tokens, per 1M output tokens, TPOT ms, replicas)

@@ -18,16 +18,16 @@ import openai
 import pytest
 
 from conftest import Stack, pool_config, wait_for
-from gateway.config import BatchRule
+from gateway.config.sections import BatchRule
 from gateway.config_schema import Section, option, section
-from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.loop import SchedulingLoop
-from gateway.scheduling.policies import registry
-from gateway.scheduling.policies.base import Policy, PolicyEntry
-from gateway.scheduling.request import Completion, Decision, Estimates, RouteRequest, Ticket
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.evalset import load_evalset
-from gateway.sim.simulator import CellSpec, run_cell, with_batching
+from gateway.core.loop import SchedulingLoop
+from gateway.core.policy import Policy, PolicyEntry
+from gateway.core.pool_state import PoolState
+from gateway.core.request import Completion, Decision, Estimates, RouteRequest, Ticket
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.evalset import load_evalset
+from gateway.lab.sim.simulator import CellSpec, run_cell, with_batching
+from gateway.policies import registry
 
 NAME = "edf_test"
 
@@ -153,8 +153,8 @@ def test_hold_keeps_decided_requests_in_the_gateway_until_the_policy_lets_go(bui
     try:
         cfg = built[0]
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="hold_test"))
-        ledger = PoolLedger()
-        core = SchedulingLoop(ledger, max_queue=8, resolve=lambda _cfg, _model: (0,))
+        pool_state = PoolState()
+        core = SchedulingLoop(registry, pool_state, max_queue=8, resolve=lambda _cfg, _model: (0,))
         tickets = [Ticket(RouteRequest((0,), f"p{k}", 10, 16, (1.0, 0.0, 0.0), policy="hold_test"), "auto", True, cfg)
                    for k in range(3)]
         for k, t in enumerate(tickets):
@@ -164,11 +164,11 @@ def test_hold_keeps_decided_requests_in_the_gateway_until_the_policy_lets_go(bui
         ready = core.settle(batch, core.decide(cfg, batch, core.view(cfg, 3.0), estimate=None), 3.0)
         first = cfg.instances[0].name
         assert ready == tickets[:1] and core.held == tickets[1:]
-        assert set(ledger.of(first).in_flight) == {tickets[0]}  # held requests are not on the instance
+        assert set(pool_state.of(first).in_flight) == {tickets[0]}  # held requests are not on the instance
         assert core.release_held(3.5) == []
         core.complete(tickets[0], Completion(True, 0, 16), 4.0)
         assert core.release_held(4.0) == tickets[1:2] and core.held == tickets[2:]
-        assert set(ledger.of(first).in_flight) == {tickets[1]}
+        assert set(pool_state.of(first).in_flight) == {tickets[1]}
         core.withdraw(tickets[2], 4.5)  # its client left while held
         assert core.held == [] and core.release_held(5.0) == []
     finally:
@@ -229,7 +229,7 @@ def test_a_faulty_policy_costs_only_its_own_requests_and_never_stops_the_loop(bu
     try:
         cfg = built[0]
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="faulty_test"))
-        core = SchedulingLoop(PoolLedger(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
+        core = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
         tickets = [Ticket(RouteRequest((0, 1), f"p{k}", 10, 16, (1.0, 0.0, 0.0), policy=name), "auto", True, cfg)
                    for k, name in enumerate(["faulty_test", "passthrough+round_robin", "faulty_test"])]
         for k, t in enumerate(tickets):
@@ -247,7 +247,7 @@ def test_a_faulty_policy_costs_only_its_own_requests_and_never_stops_the_loop(bu
                 assert t.decision.ranked == () and t.decision.refused.status == status
         for t in tickets:
             core.complete(t, Completion(t.decision.refused is None, 0), 4.0)
-        assert not any(core.ledger.of(i.name).in_flight for i in cfg.instances)  # nothing left booked
+        assert not any(core.pool_state.of(i.name).in_flight for i in cfg.instances)  # nothing left booked
         if "on_complete" not in broken:
             assert faulty.completed == [status is None] * 2  # refused requests end in on_complete too
     finally:
@@ -275,7 +275,7 @@ def test_every_policy_sees_answer_lengths_bounded_by_the_request_max_tokens(buil
     try:
         cfg = built[0]
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="recording_test"))
-        core = SchedulingLoop(PoolLedger(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
+        core = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
         tickets = [Ticket(RouteRequest((0, 1), f"p{k}", 10, limit, (1.0, 0.0, 0.0), policy="recording_test",
                                        to_max_tokens=exact), "auto", False, cfg)
                    for k, (limit, exact) in enumerate([(20, False), (None, False), (500, False), (500, True)])]
@@ -293,3 +293,107 @@ def test_every_policy_sees_answer_lengths_bounded_by_the_request_max_tokens(buil
         assert (lengths[3] == 500).all()  # it ignores end-of-sequence: it runs to its max_tokens
     finally:
         registry.unregister("recording_test")
+
+
+# ---- a built-in policy is one package and one registry line ------------------------------------------------
+
+THROWAWAY = {
+    "__init__.py": '''"""A throwaway policy: every request to the candidate with the cheapest answers."""
+
+from gateway.policies.always_cheapest.policy import ENTRIES, OPTIONS
+
+__all__ = ["ENTRIES", "OPTIONS"]
+''',
+    "policy.py": '''from __future__ import annotations
+
+import numpy as np
+
+from gateway.config_schema import Section, option, section
+from gateway.core.policy import Policy, PolicyEntry
+from gateway.core.request import Decision
+
+
+@section
+class AlwaysCheapestOptions(Section):
+    margin: float = option(0.0, ge=0)  # price differences below this (USD per token) are ties
+
+
+class AlwaysCheapest(Policy):
+    name = "always_cheapest"
+
+    def __init__(self, options: AlwaysCheapestOptions):
+        self.options = options
+
+    def assign(self, batch, estimates, view):
+        out = []
+        for req in batch:
+            cands = np.asarray(req.candidates)
+            price = view.price_out[cands]
+            cheap = cands[price <= price.min() + self.options.margin]
+            out.append(Decision(tuple(int(i) for i in cheap)))
+        return out
+
+
+OPTIONS = {"always_cheapest": AlwaysCheapestOptions}
+ENTRIES = (PolicyEntry("always_cheapest", lambda context: AlwaysCheapest(context.options("always_cheapest")),
+                       "test: every request to its cheapest candidate"),)
+''',
+}
+
+
+def test_a_new_policy_is_one_package_and_one_registry_line(built, tmp_path):
+    """In a copy of the package: add gateway/policies/always_cheapest/ and its name in BUILTIN, change
+    nothing else, and the policy is listed, configured from its own table and routes a simulated cell."""
+    import filecmp
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import gateway
+
+    original = Path(gateway.__file__).parent
+    copy = tmp_path / "site" / "gateway"
+    shutil.copytree(original, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    package = copy / "policies" / "always_cheapest"
+    package.mkdir()
+    for name, text in THROWAWAY.items():
+        (package / name).write_text(text)
+    registry_file = copy / "policies" / "registry.py"
+    lines = registry_file.read_text().splitlines(keepends=True)
+    [at] = [i for i, line in enumerate(lines) if line.startswith("BUILTIN = (")]
+    lines[at] = lines[at].replace(")", ', "always_cheapest")', 1)
+    registry_file.write_text("".join(lines))
+
+    def differing(cmp: filecmp.dircmp, where: Path) -> list[str]:
+        out = [str(where / f) for f in cmp.diff_files + cmp.left_only + cmp.right_only]
+        return out + [p for d, sub in cmp.subdirs.items() for p in differing(sub, where / d)]
+
+    changed = differing(filecmp.dircmp(original, copy, ignore=["__pycache__"]), Path("gateway"))
+    assert sorted(changed) == ["gateway/policies/always_cheapest", "gateway/policies/registry.py"]
+    new_lines = [a for a, b in zip(registry_file.read_text().splitlines(),
+                                   (original / "policies" / "registry.py").read_text().splitlines(), strict=True)
+                 if a != b]
+    assert len(new_lines) == 1
+
+    config = pool_config(tmp_path, built[0].estimators.models_dir, scheduler={"policy": "always_cheapest"},
+                         policies={"always_cheapest": {"margin": 0.0}})
+    env = {"PYTHONPATH": str(copy.parent), "PATH": "/usr/bin:/bin"}
+    run = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING"]
+    # Run outside the repository, so that `-m` finds the copy first (the working directory comes first).
+    listed = subprocess.run([*run, "policies"], capture_output=True, text=True, env=env, timeout=60, check=True,
+                            cwd=tmp_path)
+    assert "`always_cheapest` | test: every request to its cheapest candidate | no |" in listed.stdout
+    cell = subprocess.run([*run, "sim", "--config", str(config), "--policy", "always_cheapest", "--requests", "60",
+                           "--rate", "4", "--json"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert cell.returncode == 0, cell.stderr[-2000:]
+    row = json.loads(cell.stdout)
+    cheapest = min(built[0].instances, key=lambda i: i.price_output_per_mtok).model
+    assert row["served"] == 60 and {m: s for m, s in row["mix"].items() if s} == {cheapest: 1.0}, row["mix"]
+    (tmp_path / "bad").mkdir()
+    bad = subprocess.run([*run, "sim", "--config", str(pool_config(tmp_path / "bad", built[0].estimators.models_dir,
+                                                                      policies={"always_cheapest": {"margin": -1}})),
+                          "--policy", "always_cheapest", "--requests", "10"], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "policies.always_cheapest.margin" in bad.stderr  # its own table is checked

@@ -15,11 +15,9 @@ import pytest
 import uvloop
 
 from conftest import pool_config
-from gateway.config import load_config
-from gateway.emulator.outputs import OutputLengths
-from gateway.emulator.server import EmulatedPool
-from gateway.engine.profiles import arch_for
-from gateway.scheduling.progressive import (
+from gateway.config.store import load_config
+from gateway.core.engine.profiles import arch_for
+from gateway.core.progressive import (
     Call,
     Candidate,
     Fallback,
@@ -37,14 +35,16 @@ from gateway.scheduling.progressive import (
     plan_calls,
     sum_usage,
 )
-from gateway.workload.progressive import (
+from gateway.core.progressive_prompts import (
     expansion_prompt,
     original_question,
     parse_expansion_prompt,
     parse_sketch_prompt,
     sketch_prompt,
 )
-from gateway.workload.synthetic import generate
+from gateway.lab.emulator.outputs import OutputLengths
+from gateway.lab.emulator.server import EmulatedPool
+from gateway.lab.workload.synthetic import generate
 
 M3, M14, M72 = "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-14B-Instruct", "Qwen/Qwen2.5-72B-Instruct"
 

@@ -13,19 +13,20 @@ import openai
 import pytest
 
 from conftest import Stack, pool_config, steady, wait_for
-from gateway.config import default_config_path, load_config
-from gateway.engine.engine import EngineSpec
-from gateway.scheduling.budget import per_token, predicted_cost
-from gateway.scheduling.ledger import EngineSnapshot, PoolLedger
-from gateway.scheduling.loop import SchedulingLoop
-from gateway.scheduling.policies.qlm import Running
-from gateway.scheduling.qlm_plan import GroupView, Queues, greedy_plan, optimal_plan
-from gateway.scheduling.rct import InstanceModel, Normal, QueueLoad, completion, length, wait
-from gateway.scheduling.request import Estimates, RouteRequest, Ticket
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.evalset import load_evalset
-from gateway.sim.metrics import summarise
-from gateway.sim.simulator import CellSpec, named_models, run_cell
+from gateway.config.store import default_config_path, load_config
+from gateway.core.budget import per_token, predicted_cost
+from gateway.core.engine.engine import EngineSpec
+from gateway.core.loop import SchedulingLoop
+from gateway.core.pool_state import EngineSnapshot, PoolState
+from gateway.core.request import Estimates, RouteRequest, Ticket
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.evalset import load_evalset
+from gateway.lab.sim.metrics import summarise
+from gateway.lab.sim.simulator import CellSpec, named_models, run_cell
+from gateway.policies import registry
+from gateway.policies.qlm.plan import GroupView, Queues, greedy_plan, optimal_plan
+from gateway.policies.qlm.policy import Running
+from gateway.policies.qlm.rct import InstanceModel, Normal, QueueLoad, completion, length, wait
 
 SPEC = EngineSpec(tpot_s=0.02, batch_slope=0.025, kv_read_per_token=0.0, prefill_s_per_token=1e-4,
                   max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192, block_size=16,
@@ -160,7 +161,7 @@ def test_a_held_request_takes_one_victim_until_the_pool_view_catches_up():
     cfg = dataclasses.replace(cfg, instances=tuple(i for i in cfg.instances if i.model == FOURTEEN_B)[:1],
                               scheduler=dataclasses.replace(cfg.scheduler, policy="qlm"))
     cfg = cfg.with_options("qlm", slowdown=1.05)  # a cap of 2 running requests
-    core = SchedulingLoop(PoolLedger(), max_queue=16, resolve=lambda _cfg, _model: (0,), estimators=object())
+    core = SchedulingLoop(registry, PoolState(), max_queue=16, resolve=lambda _cfg, _model: (0,), estimators=object())
 
     def enter(slo_s: float, now: float, answer_tokens: float) -> list[Ticket]:
         tickets = [Ticket(RouteRequest((0,), "p", 50, 1024, (1 / 3, 1 / 3, 1 / 3), policy="qlm", slo_s=slo_s),
@@ -177,7 +178,7 @@ def test_a_held_request_takes_one_victim_until_the_pool_view_catches_up():
     for t in jobs:
         core.dispatched(t, next(core.plans(t, 0.0)), 0.0)
     # The last scrape saw a request waiting in the instance's own queue: no slot, whatever the count.
-    core.ledger.of(cfg.instances[0].name).scraped(EngineSnapshot(2, 1, 0.2, 0, 0), 0.9)
+    core.pool_state.of(cfg.instances[0].name).scraped(EngineSnapshot(2, 1, 0.2, 0, 0), 0.9)
     assert enter(2.0, 1.0, 60.0) == [] and len(core.held) == 1  # a short, tight one waits for a slot ...
     victims = core.evictions(cfg, 1.0)  # ... that only an eviction frees in time
     assert len(victims) == 1 and victims[0] in jobs
@@ -262,8 +263,8 @@ def test_on_gpus_shared_by_several_models_qlm_swaps_rarely_and_meets_the_slos_ed
     """The paper's W_A: four GPUs time-share five models. EDF releases requests in deadline order, so the
     models interleave and the GPUs swap all the time; QLM gathers each model's requests and warm-starts
     the models next in its queues."""
-    from gateway.sim.pools import w_a
-    from gateway.sim.slo_sweeps import w_a_mix
+    from gateway.lab.experiments.slo_sweeps import w_a_mix
+    from gateway.lab.sim.pools import w_a
 
     cfg, est, ev = sim
     pool_cfg, pool_ev = w_a(cfg, ev)
@@ -343,12 +344,16 @@ def test_a_preset_chooses_its_policy(client, qlm_stack):
     assert _slo_requests(qlm_stack, "routebalance") == before["routebalance"] + 1  # uniform has none of its own
 
 
-def test_an_slo_no_instance_can_meet_is_refused_with_the_reason(client):
+def test_an_slo_no_instance_can_meet_is_refused_with_the_reason_once(client):
+    retrying = client.with_options(max_retries=2)  # the SDK's default: it would retry a plain 503 twice
+    started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as e:
-        client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "Write an essay."}],
-                                       max_tokens=500, extra_body={"routing": {"slo_s": 0.01}})
+        retrying.chat.completions.create(model="auto", messages=[{"role": "user", "content": "Write an essay."}],
+                                         max_tokens=500, extra_body={"routing": {"slo_s": 0.01}})
     assert e.value.status_code == 503
     assert e.value.body["code"] == "slo_infeasible" and e.value.body["param"] == "routing.slo_s"
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert time.monotonic() - started < 0.5  # not retried: the SDK's back-off alone is 0.5 s or more
 
 
 def _evictions(stack) -> float:
@@ -389,8 +394,8 @@ def test_a_tight_slo_evicts_a_batch_job_and_every_client_gets_one_answer(client,
 
 @pytest.mark.parametrize("name", ["qlm", "qlm_cap", "qlm_multi", "qos"])
 def test_each_paired_comparison_of_the_slo_sweeps_names_exactly_one_cell_a_side(name):
-    from gateway.sim.catalog import PAIRS, SWEEPS
-    from gateway.sim.sweeps import _identity, _matches
+    from gateway.lab.experiments.catalog import PAIRS, SWEEPS
+    from gateway.lab.experiments.sweeps import _identity, _matches
 
     cells = SWEEPS[name](100)
     rows = [_identity(c) for c in cells]

@@ -11,15 +11,16 @@ import openai
 import pytest
 
 from conftest import three_tier_qos_cell
-from gateway.config import default_config_path, load_config
-from gateway.engine.engine import Engine, EngineSpec
-from gateway.scheduling.impact import Load, Running, StepCurves, added_seconds, assess, impact_per_token
-from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.loop import SchedulingLoop
-from gateway.scheduling.policies import registry
-from gateway.scheduling.policies.qos import Qos, QosOptions
-from gateway.scheduling.request import Completion, DispatchPlan, Estimates, RouteRequest, Ticket
-from gateway.sim.qos_eval import bench_decisions, pool_names, qos_cells, qos_pairs
+from gateway.config.store import default_config_path, load_config
+from gateway.core.engine.engine import Engine, EngineSpec
+from gateway.core.loop import SchedulingLoop
+from gateway.core.pool_state import PoolState
+from gateway.core.request import Completion, DispatchPlan, Estimates, RouteRequest, Ticket
+from gateway.lab.experiments.qos_eval import bench_decisions, qos_cells, qos_pairs
+from gateway.lab.sim.pools import pool_names
+from gateway.policies import registry
+from gateway.policies.qos.impact import Load, RunningArrays, StepCurves, added_seconds, assess, impact_per_token
+from gateway.policies.qos.policy import Qos, QosOptions
 
 SPEC = EngineSpec(tpot_s=0.02, batch_slope=0.05, kv_read_per_token=1e-4, prefill_s_per_token=1e-3, max_num_seqs=8,
                   max_num_batched_tokens=2048, max_model_len=4096, block_size=16, num_gpu_blocks=1000)
@@ -30,7 +31,7 @@ SPEC = EngineSpec(tpot_s=0.02, batch_slope=0.05, kv_read_per_token=1e-4, prefill
 def test_impact_of_one_admission_on_a_hand_checked_case():
     curves = StepCurves.of([SPEC])
     idx = np.array([0, 0])
-    # New request: 100 prompt tokens, 50 answer tokens. Running: one with 30 tokens to go (of 60), one with 80
+    # New request: 100 prompt tokens, 50 answer tokens. RunningArrays: one with 30 tokens to go (of 60), one with 80
     # (of 100). The first shares its 30 remaining steps with it, the second all 50 of the new one's.
     added = added_seconds(curves, idx, 100.0, 50.0, np.array([30.0, 80.0]))
     by_hand = [1e-3 * 100 + 0.02 * (30 * 0.05 + 1e-4 * (30 * 100 + 30 * 31 / 2)),  # 0.1 + 0.03693
@@ -75,7 +76,7 @@ def test_assess_sees_who_would_cross_their_bound():
     step0 = curves.step_s(np.array([5.0]), np.array([500.0]))[0]
     projected = (0.85 + 60 * step0) / 100
     bound = projected * 1.01
-    running = Running(np.array([0, 0]), np.array([50.0, 50.0]), np.array([100.0, 100.0]), np.array([40.0, 40.0]),
+    running = RunningArrays(np.array([0, 0]), np.array([50.0, 50.0]), np.array([100.0, 100.0]), np.array([40.0, 40.0]),
                       np.array([0.85, 0.85]), np.array([0.5, 0.4]), np.array([bound, bound]))
     a = assess(curves, load, running, 200.0, np.array([100.0, 100.0]), bound, width=0.05)
     assert a.projected_s == pytest.approx([projected, projected])
@@ -108,17 +109,17 @@ def _estimates(quality, length, rows: int = 1) -> Estimates:
                      np.tile(np.array(length, dtype=float), (rows, 1)))
 
 
-def _load_instance_0(policy: Qos, cfg, ledger: PoolLedger, bound: float, now: float) -> None:
+def _load_instance_0(policy: Qos, cfg, pool_state: PoolState, bound: float, now: float) -> None:
     """Ten requests on instance 0 (only candidate), sent at 0, half of their 200 tokens back at `now`."""
     batch = [_request(bound, candidates=(0,)) for _ in range(10)]
-    view = ledger.snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
+    view = pool_state.snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
     for req, d in zip(batch, policy.assign(batch, _estimates([0.6, 0.5], [200, 200], 10), view), strict=True):
         assert d.ranked == (0,)
         ticket = Ticket(req, "", True, cfg, arrived=0.0)
         policy.on_dispatch(ticket, DispatchPlan(0, 1024, False), 0.0)
         policy.on_first_token(ticket, 0.1)
         policy.on_progress(ticket, 100, now)
-        ledger.of(cfg.instances[0].name).dispatched(ticket, 50, 200.0, 0.0)
+        pool_state.of(cfg.instances[0].name).dispatched(ticket, 50, 200.0, 0.0)
 
 
 def test_qos_prefers_an_idle_instance_over_one_whose_running_requests_would_cross_their_bound(two_7b):
@@ -126,28 +127,28 @@ def test_qos_prefers_an_idle_instance_over_one_whose_running_requests_would_cros
     bound = 0.030
     # Instance 0 is predicted the better answer (0.6 vs 0.5): on an idle pool it wins.
     fresh = Qos(QosOptions())
-    idle = PoolLedger().snapshot(cfg.instances, 3.0, cfg.telemetry.stale_after_s)
+    idle = PoolState().snapshot(cfg.instances, 3.0, cfg.telemetry.stale_after_s)
     assert fresh.assign([_request(bound)], _estimates([0.6, 0.5], [200, 200]), idle)[0].ranked == (0, 1)
     # Ten requests already run there, due to end just under the aimed-at bound (95% of 30 ms per token:
     # (3.1 s + 100 tokens at ~25 ms) / 200). The new one would meet its own bound there too, but would push
     # them over theirs: it goes to the idle instance.
-    policy, ledger = Qos(QosOptions()), PoolLedger()
-    _load_instance_0(policy, cfg, ledger, bound, now=3.1)
-    view = ledger.snapshot(cfg.instances, 3.1, cfg.telemetry.stale_after_s)
+    policy, pool_state = Qos(QosOptions()), PoolState()
+    _load_instance_0(policy, cfg, pool_state, bound, now=3.1)
+    view = pool_state.snapshot(cfg.instances, 3.1, cfg.telemetry.stale_after_s)
     assert view.running[0] == 10 and view.running[1] == 0
     d = policy.assign([_request(bound)], _estimates([0.6, 0.5], [200, 200]), view)[0]
     assert d.refused is None and d.ranked == (1, 0)
     assert len(policy.tracker) == 11
     # Early in their answers (less waited so far) the same ten have room to spare: the better instance wins.
-    policy, ledger = Qos(QosOptions()), PoolLedger()
-    _load_instance_0(policy, cfg, ledger, bound, now=1.0)
-    view = ledger.snapshot(cfg.instances, 1.0, cfg.telemetry.stale_after_s)
+    policy, pool_state = Qos(QosOptions()), PoolState()
+    _load_instance_0(policy, cfg, pool_state, bound, now=1.0)
+    view = pool_state.snapshot(cfg.instances, 1.0, cfg.telemetry.stale_after_s)
     assert policy.assign([_request(bound)], _estimates([0.6, 0.5], [200, 200]), view)[0].ranked[0] == 0
 
 
 def test_qos_drops_what_no_instance_can_serve_within_its_bound(two_7b):
     cfg = two_7b
-    view = PoolLedger().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
+    view = PoolState().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
     policy = Qos(QosOptions())
     # 10 ms per token is below the 7B tier's lone-sequence TPOT (20.6 ms): nowhere in time.
     d = policy.assign([_request(0.010)], _estimates([0.6, 0.5], [200, 200]), view)[0]
@@ -165,7 +166,7 @@ def test_qos_drops_what_no_instance_can_serve_within_its_bound(two_7b):
 def test_the_tracker_follows_the_lifecycle_and_forgets_completed_requests(two_7b):
     cfg = two_7b
     policy = Qos(QosOptions())
-    view = PoolLedger().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
+    view = PoolState().snapshot(cfg.instances, 0.0, cfg.telemetry.stale_after_s)
     req = _request(0.05)
     d = policy.assign([req], _estimates([0.6, 0.5], [120, 80]), view)[0]
     ticket = Ticket(req, "", True, cfg, arrived=0.0)
@@ -184,7 +185,7 @@ def test_a_request_abandoned_while_its_batch_was_decided_leaves_no_trace(two_7b)
     over, so the tracker does not count it as running for the next hour."""
     cfg = dataclasses.replace(two_7b, scheduler=dataclasses.replace(two_7b.scheduler, policy="qos"))
     # The batch's estimates come from the test, so the loop needs no estimators of its own (only some).
-    core = SchedulingLoop(PoolLedger(), max_queue=8, resolve=lambda _cfg, _model: (0, 1), estimators=object())
+    core = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1), estimators=object())
     tickets = [Ticket(_request(0.05), "auto", True, cfg) for _ in range(3)]
     for k, t in enumerate(tickets):
         core.submit(t, float(k))
@@ -277,3 +278,4 @@ def test_live_a_request_no_instance_can_serve_in_time_is_dropped_with_503(client
                                        extra_body={"routing": {"policy": "qos", "tpot_slo_ms": 1}})
     assert err.value.status_code == 503
     assert err.value.body["code"] == "qos_drop" and "time per output token" in err.value.body["message"]
+    assert err.value.response.headers["x-should-retry"] == "false"  # the OpenAI SDKs do not retry it

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from conftest import three_tier_qos_cell
-from gateway.estimators import ArtefactError
-from gateway.estimators.qos_actor import QosActor
-from gateway.scheduling.qos_state import INPUTS, N_MAX
+from gateway.artefacts import ArtefactError
+from gateway.policies.qos.actor import QosActor
+from gateway.policies.qos.state import INPUTS, N_MAX
 
 REPO = Path(__file__).resolve().parent.parent
 ACTOR = REPO / "models" / "qos_rl" / "actor.onnx"
@@ -26,12 +26,12 @@ TORCH = "PyTorch is not installed: .venv/bin/pip install -e '.[train]' (about 4 
 DECIDE_WITHOUT_TORCH = """
 import sys
 import numpy as np
-from gateway.config import default_config_path, load_config
+from gateway.config.store import default_config_path, load_config
 from types import SimpleNamespace
-from gateway.estimators.qos_actor import QosActor
-from gateway.scheduling.ledger import PoolLedger
-from gateway.scheduling.policies import registry
-from gateway.scheduling.request import Estimates, RouteRequest
+from gateway.policies.qos.actor import QosActor
+from gateway.core.pool_state import PoolState
+from gateway.policies import registry
+from gateway.core.request import Estimates, RouteRequest
 
 cfg = load_config(default_config_path())
 policy = registry.build("qos-rl", cfg, SimpleNamespace(qos_actor=QosActor))  # the actor alone, no estimators
@@ -39,7 +39,7 @@ candidates = (2, 5, 7, 11)
 rng = np.random.default_rng(0)
 out = []
 for now in (0.0, 1.0, 2.0):
-    view = PoolLedger().snapshot(cfg.instances, now, 3.0)
+    view = PoolState().snapshot(cfg.instances, now, 3.0)
     view.running[:] = rng.integers(0, 40, len(cfg.instances))
     view.kv_usage[:] = rng.uniform(0, 0.5, len(cfg.instances))
     batch = [RouteRequest(candidates, "p", 60, 1024, (1 / 3, 1 / 3, 1 / 3), policy="qos-rl", tpot_slo_s=bound)
@@ -119,7 +119,7 @@ def test_live_qos_rl_streamed_and_not(stack):
 
 def test_a_tiny_training_run_exports_an_actor_that_loads(small_sim, tmp_path):
     pytest.importorskip("torch", reason=TORCH)
-    from gateway.sim.qos_rl_train import TrainSettings, train
+    from gateway.lab.training.qos_rl import TrainSettings, train
 
     cfg, est, ev = small_sim
     settings = TrainSettings(budget_s=2.0, max_episodes=2, episode_requests=40, train_prompts=240, eval_requests=30,
@@ -130,7 +130,7 @@ def test_a_tiny_training_run_exports_an_actor_that_loads(small_sim, tmp_path):
     rows = (tmp_path / "learning_curve.csv").read_text().splitlines()
     assert rows[0].startswith("episode,env_steps") and len(rows) >= 3
     actor = QosActor(tmp_path / "actor.onnx")
-    from gateway.sim.qos_rl_train import example_inputs
+    from gateway.lab.training.qos_rl import example_inputs
 
     p = actor.probabilities(example_inputs(3))
     assert p.shape == (3, 1 + N_MAX) and np.allclose(p.sum(axis=1), 1.0)

@@ -18,14 +18,16 @@ import pytest
 from aiohttp import ClientSession, web
 
 from conftest import RECORDS, dump_toml, free_port
-from gateway.config import Config, default_config_path, load_config
-from gateway.estimators import build
-from gateway.estimators.build import ensure_built
+from gateway.config.sections import Config
+from gateway.config.store import default_config_path, load_config
+from gateway.core.pool_state import PoolState
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.latency import FEATURES
-from gateway.estimators.traces import virtual_sweep, write_traces
-from gateway.scheduling.ledger import PoolLedger
-from gateway.telemetry import MetricsPageError, ScrapeLog, diagnose, scrape_forever
+from gateway.estimators.manifest import MANIFEST
+from gateway.lab.training import build
+from gateway.lab.training.build import ensure_built
+from gateway.lab.training.traces import virtual_sweep, write_traces
+from gateway.serving.telemetry import MetricsPageError, ScrapeLog, diagnose, scrape_forever
 
 VLLM_PAGE = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 2\n'
 # What llama.cpp's server shows with --metrics: Prometheus text, but none of vLLM's names.
@@ -72,12 +74,12 @@ def pool_of(*urls: str):
 
 @contextlib.asynccontextmanager
 async def scraping(cfg):
-    """scrape_forever over `cfg` while the block runs; yields the ledger it fills."""
-    ledger = PoolLedger()
+    """scrape_forever over `cfg` while the block runs; yields the pool_state it fills."""
+    pool_state = PoolState()
     async with ClientSession() as session:
-        task = asyncio.create_task(scrape_forever(session, SimpleNamespace(current=cfg), ledger))
+        task = asyncio.create_task(scrape_forever(session, SimpleNamespace(current=cfg), pool_state))
         try:
-            yield ledger
+            yield pool_state
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -130,12 +132,12 @@ async def test_refused_and_slow_instances_are_told_apart(caplog):
 async def test_scraping_that_recovers_says_so_and_reads_the_instance_again(caplog):
     caplog.set_level(logging.INFO, "routebalance.telemetry")
     async with MetricsServer(status=503) as server:
-        async with scraping(pool_of(server.url)) as ledger:
+        async with scraping(pool_of(server.url)) as pool_state:
             await asyncio.sleep(0.3)
-            assert ledger.of("inst0").last is None
+            assert pool_state.of("inst0").last is None
             server.status = 200
             await asyncio.sleep(0.3)
-            assert ledger.of("inst0").last.running == 2
+            assert pool_state.of("inst0").last.running == 2
     [warning] = telemetry_records(caplog, logging.WARNING)
     assert "answered HTTP 503" in warning
     [recovered] = telemetry_records(caplog, logging.INFO)
@@ -247,7 +249,7 @@ def _serving_and_runtime_settings(d):
                                   _without_the_72b_tier, _serving_and_runtime_settings])
 def test_a_config_change_outside_workload_and_estimators_rebuilds_nothing(own_build, fits, tmp_path, edit):
     models_dir, data = own_build
-    manifest = models_dir / build.MANIFEST
+    manifest = models_dir / MANIFEST
     before = (manifest.read_bytes(), manifest.stat().st_mtime_ns)
     ensure_built(edited(tmp_path, data, edit))
     assert fits == []

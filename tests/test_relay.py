@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from conftest import Stack, dump_toml, free_port, wait_for
-from gateway.config import default_config_path
+from gateway.config.store import default_config_path
 
 MODEL = "Qwen/Qwen2.5-3B-Instruct"
 

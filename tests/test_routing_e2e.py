@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from conftest import Stack, dump_toml, free_port, pool_config, wait_for
-from gateway.config import default_config_path
-from gateway.scheduling.policies import registry
+from gateway.config.store import default_config_path
+from gateway.policies import registry
 from gateway.tokens import TokenCounter
 
 MODEL_3B, MODEL_72B = "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-72B-Instruct"
@@ -256,7 +256,7 @@ def test_a_reload_while_a_request_waits_keeps_it_on_its_model(tmp_path):
         assert answer.status_code == 200, answer.text
         served = stack.store.current.instance(answer.headers["X-Route-Instance"])
         assert served.model == MODEL_3B and answer.json()["model"] == MODEL_3B
-        counted = stack.run(lambda: {n: len(s.in_flight) for n, s in stack.gateway.ledger.by_name.items()})
+        counted = stack.run(lambda: {n: len(s.in_flight) for n, s in stack.gateway.pool_state.by_name.items()})
         assert sum(counted.values()) == 0, counted
     finally:
         stack.stop()

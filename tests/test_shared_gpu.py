@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from gateway.config import default_config_path, load_config
-from gateway.engine.engine import Engine
-from gateway.engine.profiles import load_seconds, spec_for_instance
-from gateway.engine.shared_gpu import SharedGpu
+from gateway.config.store import default_config_path, load_config
+from gateway.core.engine.engine import Engine
+from gateway.core.engine.profiles import load_seconds, spec_for_instance
+from gateway.core.engine.shared_gpu import SharedGpu
 
 SEVEN_B = next(i for i in load_config(default_config_path()).instances if "7B" in i.model)
 SPEC = spec_for_instance(SEVEN_B)

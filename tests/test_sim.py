@@ -13,14 +13,24 @@ import numpy as np
 import pytest
 
 from conftest import Stack, dump_toml, pool_config, wait_for
-from gateway.sim.arrivals import ArrivalSpec, arrival_times
-from gateway.sim.evalset import load_evalset
-from gateway.sim.metrics import HEADLINE, RequestArrays, request_figures, summarise
-from gateway.sim.plots import plot_sweep
-from gateway.sim.replay import replay
-from gateway.sim.simulator import CellSpec, Outcome, run_cell, with_batching
-from gateway.sim.stats import bootstrap_many
-from gateway.sim.sweeps import _WORKER, Cell, Pair, frontier, run_one, run_seeded, run_sweep, write_rows, write_sweep
+from gateway.lab.experiments.plots import plot_sweep
+from gateway.lab.experiments.sweeps import (
+    _WORKER,
+    Cell,
+    Pair,
+    frontier,
+    run_one,
+    run_seeded,
+    run_sweep,
+    write_rows,
+    write_sweep,
+)
+from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
+from gateway.lab.sim.evalset import load_evalset
+from gateway.lab.sim.metrics import HEADLINE, RequestArrays, request_figures, summarise
+from gateway.lab.sim.replay import replay
+from gateway.lab.sim.simulator import CellSpec, Outcome, run_cell, with_batching
+from gateway.lab.sim.stats import bootstrap_many
 
 MODEL_72B = "Qwen/Qwen2.5-72B-Instruct"
 
@@ -308,9 +318,9 @@ def test_a_pair_must_compare_cells_on_the_same_arrivals(built, tmp_path):
 
 
 def test_the_printed_table_tells_apart_cells_that_share_a_label():
-    from gateway.cli import format_rows
-    from gateway.sim import qos_eval, slo_sweeps
-    from gateway.sim.sweeps import _identity
+    from gateway.lab.experiments import qos_eval, slo_sweeps
+    from gateway.lab.experiments.sweeps import _identity
+    from gateway.lab.experiments.tables import format_rows
 
     fields = {"quality": 0.4, "e2e_mean": 2.0, "e2e_p99": 9.0, "throughput": 4.0, "cost_mean": 1e-5,
               "residual_mean": 0.02}

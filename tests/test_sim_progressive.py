@@ -1,6 +1,6 @@
 """Progressive mode (PICE) in the simulator: each progressive request is a sketch on the largest tier whose
 expansions arrive when it ends, every call through the scheduling loop and paid; the fallback rule sends the
-rest through normal routing (gateway/sim/progressive.py)."""
+rest through normal routing (gateway/lab/sim/progressive.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from gateway.scheduling.progressive import fallback_reason
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.metrics import summarise
-from gateway.sim.progressive import PROGRESSIVE
-from gateway.sim.simulator import CellSpec, Simulation, run_cell
-from gateway.workload.progressive import sketch_points
+from gateway.core.progressive import fallback_reason
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.metrics import summarise
+from gateway.lab.sim.progressive import PROGRESSIVE
+from gateway.lab.sim.simulator import CellSpec, Simulation, run_cell
+from gateway.lab.workload.progressive import sketch_points
 
 M72 = "Qwen/Qwen2.5-72B-Instruct"
 N = 200
@@ -113,7 +113,7 @@ def test_every_sketch_is_expanded_once_whatever_the_arrivals(small_sim, requests
 def test_progressive_cells_refuse_what_they_do_not_model(small_sim):
     with pytest.raises(ValueError, match="progressive"):
         CellSpec("routebalance", budget_share=0.5, progressive=True)
-    from gateway.sim.pools import named
+    from gateway.lab.sim.pools import named
 
     cfg, est, ev = small_sim
     pool_cfg, pool_ev = named("W_A")(cfg, ev)  # models time-sharing GPUs

@@ -1,4 +1,4 @@
-"""Scale-out in the simulator (gateway/sim/replicas.py): gateway replicas behind a round-robin balancer that
+"""Scale-out in the simulator (gateway/lab/sim/replicas.py): gateway replicas behind a round-robin balancer that
 share their in-flight accounting through a backend, late; one replica is the plain cell."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gateway.scheduling.ledger import PoolLedger, Share
-from gateway.sim.arrivals import ArrivalSpec
-from gateway.sim.metrics import summarise
-from gateway.sim.plots import plot_sweep
-from gateway.sim.replicas import SharedState, replica_of, sharing_mode
-from gateway.sim.simulator import CellSpec, Simulation, run_cell
+from gateway.core.pool_state import PoolState, Share
+from gateway.lab.experiments.plots import plot_sweep
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.metrics import summarise
+from gateway.lab.sim.replicas import SharedState, replica_of, sharing_mode
+from gateway.lab.sim.simulator import CellSpec, Simulation, run_cell
 
 UNIFORM = (1 / 3, 1 / 3, 1 / 3)
 INSTANT, NEVER = 0.0, math.inf  # sync intervals: every decision reads the others as they are; never
-INSTANCE = (SimpleNamespace(name="a", tpot_prior_ms=20.0),)  # what PoolLedger.shares reads of a pool's instances
+INSTANCE = (SimpleNamespace(name="a", tpot_prior_ms=20.0),)  # what PoolState.shares reads of a pool's instances
 
 
 def spec(replicas: int = 3, sync_s: float = 0.25, staleness_s: float = 0.0, rate: float = 24.0, seed: int = 2,
@@ -55,7 +55,7 @@ def probe(small_sim, cell: CellSpec) -> Probe:
 def test_a_publication_reaches_the_others_only_after_the_delay_and_the_latest_replaces_the_last():
     shared = SharedState(3, 0.25, 0.5)
     assert shared.next_tick == [0.0, 0.25 / 3, 0.5 / 3]  # ticks spread over the period
-    writer, reader = PoolLedger(), PoolLedger()
+    writer, reader = PoolState(), PoolState()
     writer.of("a").dispatched("r1", 100, 40.0, now=0.0)
     shared.publish(1, writer, INSTANCE, 0.0)
     shared.read(0, reader, 0.49)
@@ -77,7 +77,7 @@ def test_a_replica_that_saw_an_instance_fail_cools_it_down_for_the_others():
         failure_threshold, cooldown_s, max_cooldown_s = 1, 10.0, 60.0
 
     shared = SharedState(2, 0.25, 1.0)
-    seer, other = PoolLedger(), PoolLedger()
+    seer, other = PoolState(), PoolState()
     seer.unreachable("a", 0.0, Rules())
     shared.publish(0, seer, INSTANCE, 0.0)
     shared.read(1, other, 1.0)
@@ -157,8 +157,8 @@ def test_without_sharing_latency_is_worse_where_requests_queue(small_sim):
 # ---- the sweep ----------------------------------------------------------------------------------------
 
 def test_each_staleness_pair_names_one_cell_a_side_and_the_plot_draws_them(tmp_path):
-    from gateway.sim.catalog import PAIRS, SWEEPS
-    from gateway.sim.sweeps import ONE_REPLICA, _identity, _matches
+    from gateway.lab.experiments.catalog import PAIRS, SWEEPS
+    from gateway.lab.experiments.sweeps import ONE_REPLICA, _identity, _matches
 
     cells = SWEEPS["staleness"](100)
     rows = [_identity(c) for c in cells]

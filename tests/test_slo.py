@@ -8,9 +8,9 @@ import pytest
 
 from conftest import wait_for
 from gateway.api.parse import parse_routing
-from gateway.config import ApiKey, parse_config
-from gateway.scheduling.slo import NO_SLO, slo_class, tpot_met
-from gateway.slo_check import resolve_slo
+from gateway.config.sections import ApiKey, parse_config
+from gateway.core.slo import NO_SLO, slo_class, tpot_met
+from gateway.tenancy.slo_check import resolve_slo
 
 CLASSES = {"interactive": 30.0, "batch": 600.0}
 POOL = [{"name": "a", "url": "http://127.0.0.1:9/", "model": "m", "gpu": "g", "tpot_prior_ms": 10.0,

@@ -15,14 +15,15 @@ from redis_server import RedisServer
 from stubs import MODEL, Stub, StubStack, stub_config
 
 from conftest import Stack, wait_for
-from gateway.config import ApiKey, ConfigStore
-from gateway.scheduling.budget import per_token, predicted_cost
-from gateway.scheduling.ledger import Share
+from gateway.config.sections import ApiKey
+from gateway.config.store import ConfigStore
+from gateway.core.budget import per_token, predicted_cost
+from gateway.core.pool_state import Share
 from gateway.state.link import RedisLink
-from gateway.state.spend import RedisSpendLedger
 from gateway.state.sync import ReplicaSync
-from gateway.trust.keys import hash_key
-from gateway.trust.spend import SpendStoreError
+from gateway.tenancy.keys import hash_key
+from gateway.tenancy.spend.redis import RedisSpendLedger
+from gateway.tenancy.spend.sqlite import SpendStoreError
 
 KEY, FREE = "rb-test-key-shared", "rb-test-key-free"
 NOW = 1_795_000_000.0  # a fixed instant: spend periods are calendar days and months
@@ -161,8 +162,8 @@ async def test_a_full_outbox_refuses_keyed_requests(server):
 async def test_replicas_see_each_others_work_and_cooldowns_until_one_dies(server, tmp_path):
     path = stub_config(tmp_path, [Stub(), Stub()], state={"sync_interval_s": 0.05})
     store = ConfigStore(path)
-    from gateway.scheduling.ledger import PoolLedger
-    ledgers = [PoolLedger(), PoolLedger()]
+    from gateway.core.pool_state import PoolState
+    ledgers = [PoolState(), PoolState()]
     syncs = [ReplicaSync(RedisLink(server.url, "test:", 1.0), ledger, store) for ledger in ledgers]
     loop = asyncio.get_running_loop()
     a, b = ledgers
@@ -319,12 +320,12 @@ async def test_a_burst_wider_than_the_connection_pool_waits_for_connections(serv
 
 async def test_without_redis_a_replica_keeps_its_last_read_for_a_while_then_its_own_view(server, tmp_path,
                                                                                         monkeypatch):
-    from gateway.scheduling.ledger import PoolLedger
+    from gateway.core.pool_state import PoolState
     from gateway.state import sync as sync_module
 
     monkeypatch.setattr(sync_module, "KEEP_LAST_READ_S", 0.3)
     store = ConfigStore(stub_config(tmp_path, [Stub()]))
-    a, b = PoolLedger(), PoolLedger()
+    a, b = PoolState(), PoolState()
     syncs = [ReplicaSync(RedisLink(server.url, "test:", 2.0), ledger, store) for ledger in (a, b)]
     a.of("stub-0").dispatched("r1", 10, 5.0, asyncio.get_running_loop().time())
     for sync in syncs:

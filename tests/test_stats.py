@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.sim import stats
-from gateway.sim.stats import bootstrap, bootstrap_mean, bootstrap_percentile, difference, differences
+from gateway.lab.sim import stats
+from gateway.lab.sim.stats import bootstrap, bootstrap_mean, bootstrap_percentile, difference, differences
 
 TRIALS = 200
 

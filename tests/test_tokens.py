@@ -7,13 +7,7 @@ import sys
 import pytest
 
 from gateway import tokens
-from gateway.tokens import (
-    DEFAULT_SYSTEM_TOKENS,
-    GENERATION_PROMPT_TOKENS,
-    MESSAGE_TOKENS,
-    TokenCounter,
-    render_chat,
-)
+from gateway.tokens import DEFAULT_SYSTEM_TOKENS, GENERATION_PROMPT_TOKENS, MESSAGE_TOKENS, TokenCounter, render_chat
 
 SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
 CODE_TASK = ('Write a function to reverse each string in a list.\nYour code should pass this test:\n'

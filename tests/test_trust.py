@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from gateway.config import ApiKey, Auth, default_config_path, load_config
-from gateway.trust.keys import (
+from gateway.config.sections import ApiKey, AuthConfig
+from gateway.config.store import default_config_path, load_config
+from gateway.tenancy.keys import (
     KeyRing,
     anonymous_allowed,
     bearer_token,
@@ -22,8 +23,8 @@ from gateway.trust.keys import (
     is_loopback,
     new_key,
 )
-from gateway.trust.ratelimit import RateLimiter
-from gateway.trust.spend import (
+from gateway.tenancy.ratelimit import RateLimiter
+from gateway.tenancy.spend.sqlite import (
     MemorySpendStore,
     SpendLedger,
     SpendStoreError,
@@ -47,14 +48,14 @@ def api_key(name: str = "team-a", key: str | None = None, **options) -> ApiKey:
 
 def test_a_key_is_found_by_its_hash_and_nothing_else_is():
     alice, bob = new_key(), new_key()
-    ring = KeyRing(Auth(keys=(api_key("alice", alice), api_key("bob", bob))))
+    ring = KeyRing(AuthConfig(keys=(api_key("alice", alice), api_key("bob", bob))))
     assert ring.lookup(alice).name == "alice"
     assert ring.lookup(bob).name == "bob"
     assert ring.lookup(alice + "x") is None
     assert ring.lookup(alice[:-1]) is None
     assert ring.lookup(hash_key(alice)) is None  # the stored hash is not a key
     assert ring.lookup("") is None
-    assert ring and not KeyRing(Auth())
+    assert ring and not KeyRing(AuthConfig())
 
 
 def test_new_keys_are_distinct_and_hash_to_the_configured_form():
@@ -92,13 +93,13 @@ def test_is_loopback(host, loopback):
 
 
 def test_anonymous_requests_only_on_loopback_without_keys_unless_allowed():
-    with_keys = Auth(keys=(api_key(),))
-    assert anonymous_allowed(Auth(), "127.0.0.1")
-    assert not anonymous_allowed(Auth(), "0.0.0.0")
+    with_keys = AuthConfig(keys=(api_key(),))
+    assert anonymous_allowed(AuthConfig(), "127.0.0.1")
+    assert not anonymous_allowed(AuthConfig(), "0.0.0.0")
     assert not anonymous_allowed(with_keys, "127.0.0.1")  # keys configured: a key is needed, even locally
     assert not anonymous_allowed(with_keys, "0.0.0.0")
-    assert anonymous_allowed(Auth(allow_anonymous=True), "0.0.0.0")
-    assert anonymous_allowed(Auth(allow_anonymous=True, keys=with_keys.keys), "0.0.0.0")
+    assert anonymous_allowed(AuthConfig(allow_anonymous=True), "0.0.0.0")
+    assert anonymous_allowed(AuthConfig(allow_anonymous=True, keys=with_keys.keys), "0.0.0.0")
 
 
 def test_exposure_problem_refuses_an_open_gateway_beyond_loopback():
@@ -108,8 +109,8 @@ def test_exposure_problem_refuses_an_open_gateway_beyond_loopback():
     assert problem and "routebalance keys add" in problem and "allow_anonymous = true" in problem
     assert exposure_problem(cfg, "::") is not None
     assert exposure_problem(cfg, "127.0.0.1") is None
-    assert exposure_problem(dataclasses.replace(cfg, auth=Auth(keys=(api_key(),))), "0.0.0.0") is None
-    assert exposure_problem(dataclasses.replace(cfg, auth=Auth(allow_anonymous=True)), "0.0.0.0") is None
+    assert exposure_problem(dataclasses.replace(cfg, auth=AuthConfig(keys=(api_key(),))), "0.0.0.0") is None
+    assert exposure_problem(dataclasses.replace(cfg, auth=AuthConfig(allow_anonymous=True)), "0.0.0.0") is None
 
 
 # --------------------------------------------------------------------------

@@ -111,3 +111,98 @@ def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
                           env={**os.environ})
     assert proc.returncode == 2
     assert "server.port" in proc.stderr
+
+
+def test_up_listens_while_it_builds_and_says_how_far_it_is(tmp_path):
+    """A first `up`: the port answers at once (/health 200 "building" with the build's progress,
+    /health/ready 503, requests an OpenAI-shaped 503 with Retry-After), and the gateway serves once built."""
+    models = tmp_path / "models"
+    path = pool_config(tmp_path, str(models), estimators={"train_records": 300})
+    port = int(path.read_text().split("port = ", 1)[1].split("\n", 1)[0])
+    root = f"http://127.0.0.1:{port}"
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*command(), "up", "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        wait_for(lambda: httpx.get(root + "/health", timeout=1).status_code == 200, timeout=60, what="the port")
+        health = httpx.get(root + "/health", timeout=5).json()
+        assert health["status"] == "building" and {"phase", "done", "total", "elapsed_s"} <= health.keys(), health
+        ready = httpx.get(root + "/health/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["status"] == "building"
+        r = httpx.post(root + "/v1/chat/completions", timeout=5,
+                       json={"model": "auto", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "building" and int(r.headers["Retry-After"]) > 0
+        wait_for(lambda: httpx.get(root + "/health", timeout=1).json()["status"] == "ok", timeout=300,
+                 what="the build to end and the gateway to take the port")
+        client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0, timeout=30)
+        assert client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3).choices
+        text = log.read_text()
+        assert "build: embedding the training prompts" in text and "estimators built in" in text, text[-3000:]
+        assert (models / "manifest.json").is_file()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _free_run(n: int) -> int:
+    """The first of `n` consecutive free loopback ports."""
+    import socket
+
+    for first in range(20000, 60000, 97):
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def test_a_port_clash_names_the_instance_and_the_option_that_moves_the_emulator(tmp_path):
+    import socket
+    import tomllib
+    from urllib.parse import urlsplit
+
+    path = pool_config(tmp_path)
+    data = tomllib.loads(path.read_text())
+    taken = data["instances"][3]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", urlsplit(taken["url"]).port))
+        s.listen()
+        out = subprocess.run([*command(), "emulate", "--config", str(path)], capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 1
+    assert f"emulated instance {taken['name']!r} cannot listen" in out.stderr and "--emulator-port" in out.stderr
+
+    first = _free_run(len(data["instances"]))
+    port = int(path.read_text().split("port = ", 1)[1].split("\n", 1)[0])
+    proc = subprocess.Popen([*command(), "up", "--config", str(path), "--emulator-port", str(first)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        root = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(root + "/health/ready", timeout=1).status_code == 200, timeout=60,
+                 what="the gateway in front of the moved emulator")
+        moved = httpx.get(f"http://127.0.0.1:{first + 3}/v1/models", timeout=5).json()
+        assert moved["data"][0]["id"] == taken["model"]  # the fourth instance is on the fourth port
+        client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0, timeout=30)
+        assert client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3).choices
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

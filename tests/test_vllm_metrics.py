@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.emulator.vllm_metrics import (
+from gateway.lab.emulator.vllm_metrics import (
     CONTENT_TYPE,
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,

@@ -12,22 +12,22 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from gateway.tokens import estimate_tokens
-from gateway.workload import (
+from gateway.lab.workload.__main__ import main as workload_main
+from gateway.lab.workload.summary import aggregates
+from gateway.lab.workload.synthetic import POOL_MODELS, generate, latents
+from gateway.lab.workload.text import EASY, HARD, KINDS
+from gateway.records import (
     MAX_OUTPUT_TOKENS,
     ModelLabel,
     Record,
-    aggregates,
     model_names,
     prompt_key,
     read_jsonl,
     split,
+    split_fraction,
     write_jsonl,
 )
-from gateway.workload.__main__ import main as workload_main
-from gateway.workload.records import split_fraction
-from gateway.workload.synthetic import POOL_MODELS, generate, latents
-from gateway.workload.text import EASY, HARD, KINDS
+from gateway.tokens import estimate_tokens
 
 N = 4000  # enough for the aggregates to sit within a few thousandths of the full set's
 M3, M7, M14, M72 = POOL_MODELS

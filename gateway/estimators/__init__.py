@@ -1,5 +1,3 @@
-"""Per-request estimates for the scheduler: prompt embedding, KNN quality and length, TPOT."""
-
-
-class ArtefactError(Exception):
-    """A model, tokenizer or index file is missing or unreadable; the message names the file."""
+"""The estimators' run-time half: the MiniLM embedder, the KNN quality and length estimator, the TPOT heads,
+and the bundle that loads them from a built models/ directory (manifest.py checks it). Building them is lab
+code (gateway/lab/training/)."""

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.estimators import centroids
-from gateway.estimators.build import ensure_built, read_manifest, verify
+from gateway.core.request import Estimates
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
-from gateway.estimators.qos_actor import QosActor
-from gateway.scheduling.request import Estimates
+from gateway.estimators.manifest import check_versions, read_manifest, verify
+from gateway.policies.eldr import centroids
+from gateway.policies.qos.actor import QosActor
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +30,13 @@ class Estimators:
         self._centroids: dict[tuple[int, int, int], np.ndarray] = {}
 
     @classmethod
-    def built(cls, config) -> Estimators:
-        """The config's estimators, built first if they are missing, stale or corrupt (minutes)."""
-        log.info("checking the estimator artefacts in %s (a first build of the paper-size index takes about "
-                 "4 minutes on 2 cores)", config.estimators.models_dir)
-        ensure_built(config)
-        return cls.load(config)
-
-    @classmethod
     def load(cls, config, models_dir: Path | None = None) -> Estimators:
-        """Raises ArtefactError naming the file if anything is missing, corrupt or of another build."""
+        """Raises ArtefactError naming the file if anything is missing, corrupt or of another build
+        (another manifest format or other package versions: `routebalance train` rebuilds them)."""
         models_dir = Path(models_dir or config.estimators.models_dir)
         manifest = read_manifest(models_dir)
         verify(models_dir, manifest)
+        check_versions(models_dir, manifest)
         est = config.estimators
         embedder = Embedder(models_dir / manifest["embedder"]["onnx"], default_tokenizer_path(),
                             max_tokens=est.max_tokens, threads=est.threads, batch_size=est.batch_size,

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from gateway.estimators import ArtefactError
+from gateway.artefacts import ArtefactError
 from gateway.estimators.minilm_export import weights_dir
 
 _MAX_POSITIONS = 512
@@ -146,8 +146,9 @@ class Embedder:
         """Tokens per text after truncation, [CLS] and [SEP] included."""
         return np.array([len(e.ids) for e in self._tokenizer.encode_batch(list(texts))], np.int64)
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """(n, 384) float32, rows L2-normalised, in input order."""
+    def embed(self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """(n, 384) float32, rows L2-normalised, in input order. `progress(done, total)` hears of each
+        sub-batch embedded (a training set's build takes minutes)."""
         if isinstance(texts, str):
             raise TypeError("embed takes a sequence of texts, not one str")
         texts = list(texts)
@@ -156,7 +157,7 @@ class Embedder:
             return out
         encodings = self._tokenizer.encode_batch(texts)
         if not self.cache_entries:
-            self._embed_into(out, encodings, np.arange(len(texts)))
+            self._embed_into(out, encodings, np.arange(len(texts)), progress)
             return out
         keys = [np.asarray(e.ids, np.int32).tobytes() for e in encodings]  # exact, ~4 bytes a token
         first: dict[bytes, int] = {}  # each text not cached, once: its first row
@@ -173,7 +174,7 @@ class Embedder:
                 else:
                     self.cache_hits += 1  # a repeat inside this call: computed once
         if first:
-            self._embed_into(out, encodings, np.fromiter(first.values(), np.int64, len(first)))
+            self._embed_into(out, encodings, np.fromiter(first.values(), np.int64, len(first)), progress)
             with self._cache_lock:
                 for key, row in first.items():
                     self._cache[key] = out[row].copy()
@@ -189,7 +190,8 @@ class Embedder:
         """(hits, misses) of the embedding cache since start."""
         return self.cache_hits, self.cache_misses
 
-    def _embed_into(self, out: np.ndarray, encodings, rows: np.ndarray) -> None:
+    def _embed_into(self, out: np.ndarray, encodings, rows: np.ndarray,
+                    progress: Callable[[int, int], None] | None = None) -> None:
         """Embed the texts at `rows` into those rows of `out`."""
         lengths = np.array([len(encodings[r].ids) for r in rows])
         by_length = np.argsort(lengths, kind="stable")
@@ -211,3 +213,5 @@ class Embedder:
             pooled = np.einsum("bsh,bs->bh", hidden, maskf) / maskf.sum(1, keepdims=True)
             pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
             out[idx] = pooled
+            if progress is not None:
+                progress(stop, len(rows))

@@ -27,7 +27,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from gateway.estimators import ArtefactError
+from gateway.artefacts import ArtefactError
 
 K = 10
 EPS = 1e-6

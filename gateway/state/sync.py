@@ -7,7 +7,7 @@ failures started, and reads back the other live replicas' shares and every
 cooldown still running. A replica that stops publishing drops out after
 `_ttl_s` (the server's clock decides, so replicas' clocks need not agree).
 
-The shares read are added to this replica's dead reckoning (PoolLedger.others_read),
+The shares read are added to this replica's dead reckoning (PoolState.others_read),
 so its view counts the whole fleet's dispatches, as of at most one interval
 plus a round trip ago. When Redis is away the replica keeps the last read for
 KEEP_LAST_READ_S, then routes on its own view alone.
@@ -19,8 +19,8 @@ import asyncio
 
 import orjson
 
-from gateway.config import ConfigStore
-from gateway.scheduling.ledger import PoolLedger, Share
+from gateway.config.store import ConfigStore
+from gateway.core.pool_state import PoolState, Share
 from gateway.state.link import RedisLink, StateUnavailable
 
 # KEYS[1] live replicas (zset: replica -> expiry ms), KEYS[2] shares (hash: replica -> JSON),
@@ -86,9 +86,9 @@ def sum_shares(published: list[bytes | str]) -> dict[str, Share]:
 
 
 class ReplicaSync:
-    def __init__(self, link: RedisLink, ledger: PoolLedger, store: ConfigStore):
+    def __init__(self, link: RedisLink, pool_state: PoolState, store: ConfigStore):
         self.link = link
-        self.ledger = ledger
+        self.pool_state = pool_state
         self.store = store
         self._script = link.client.register_script(_SYNC)
         self._keys = [link.key("replicas"), link.key("shares"), link.key("cooldowns")]
@@ -105,20 +105,20 @@ class ReplicaSync:
         loop = asyncio.get_running_loop()
         cfg, now = self.store.current, loop.time()
         ttl_s = _ttl_s(cfg.state.sync_interval_s)
-        own = encode_shares(self.ledger.shares(cfg.instances, now))
-        cooling = orjson.dumps(self.ledger.cooldowns(now))
+        own = encode_shares(self.pool_state.shares(cfg.instances, now))
+        cooling = orjson.dumps(self.pool_state.cooldowns(now))
         try:
             others, cooldowns = await self.link.call(
                 "syncing the pool view",
                 self._script(keys=self._keys, args=[self.link.replica, round(ttl_s * 1000), own, cooling]))
         except StateUnavailable:
             if self.last_read is not None and loop.time() - self.last_read > KEEP_LAST_READ_S:
-                self.ledger.others_read({}, {}, loop.time())
+                self.pool_state.others_read({}, {}, loop.time())
                 self.last_read = None
             return
         now = loop.time()
         left = {_text(cooldowns[i]): float(cooldowns[i + 1]) / 1000 for i in range(0, len(cooldowns), 2)}
-        self.ledger.others_read(sum_shares(others), left, now)
+        self.pool_state.others_read(sum_shares(others), left, now)
         self.last_read = now
 
 

@@ -1,0 +1,396 @@
+"""A continuous-batching LLM engine model, shaped after vLLM's scheduler.
+
+Functional core: no I/O, no clock. Callers pass time in. The pool emulator
+drives it in real time and the simulator in virtual time, so both see the
+same queueing, batching and preemption.
+
+One step = one forward pass over every running sequence: decoding sequences
+gain one token, newly admitted sequences prefill (chunked by the token budget)
+and emit their first token when the prefill completes. The step time model is
+that of a memory-bound decode:
+
+    step = tpot * (1 + batch_slope * (n_seqs - 1) + kv_read_per_token * kv_tokens)
+           + prefill_s_per_token * prefill_tokens
+
+so a lone sequence decodes at exactly `tpot` (the tier's static prior), more
+sequences cost a little more each (throughput saturates at 1 / (tpot *
+batch_slope) tokens/s), and long contexts add the cost of reading their KV.
+When a decode step cannot get a KV block, the most recently admitted sequence
+is preempted by recompute: its blocks are freed and it returns to the head of
+the waiting queue, to prefill prompt and generated tokens again.
+
+A caller may also swap a request out (QLM's GPU-CPU state swap, which only
+the simulator does: stock vLLM gives a gateway no such control): its KV
+cache goes to host memory (`host_kv_tokens` of room) and, when the request
+is swapped in and admitted again, comes back at the host link's speed
+instead of being recomputed, so it resumes where it stopped.
+
+A mixture-of-experts tier (`EngineSpec.moe`, engine/moe.py) splits the step
+into its dense part (the formula above, for the attention and the KV reads)
+and its MoE layers, whose time grows with the union of experts the step's
+tokens activate; each request brings its domain (the prompt's kind), and
+requests of one domain share experts:
+
+    step = tpot * ((1 - moe_share) * dense + moe_share * (fixed + union) / (fixed + k)) + prefill
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from gateway.core.engine.moe import ExpertModel, MoeSpec
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    tpot_s: float
+    batch_slope: float
+    kv_read_per_token: float
+    prefill_s_per_token: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    # GPU-CPU state swap (simulated only: stock vLLM gives a gateway no such control): seconds to move one
+    # token's KV cache between GPU and host memory, and how many tokens' worth host memory holds.
+    kv_swap_s_per_token: float = 0.0
+    host_kv_tokens: int = 0
+    # A mixture-of-experts tier: the MoE layers' step time grows with the union of experts (engine/moe.py).
+    moe: MoeSpec | None = None
+
+
+class Sequence:
+    """One request inside the engine. Times are engine times (seconds)."""
+
+    __slots__ = (
+        "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
+        "generated", "computed", "first_scheduled", "first_token_time",
+        "finish_time", "finish_reason", "preemptions", "prefill_done_time", "in_host", "domain",
+    )
+
+    def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float,
+                 domain: int = ExpertModel.NEUTRAL):
+        self.rid = rid
+        self.domain = domain  # its domain's index in the engine's ExpertModel (MoE tiers; NEUTRAL: unknown)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        # The answer the model would give, cut by max_tokens: that cut is finish_reason "length".
+        self.target_tokens = max(1, min(output_tokens, max_tokens))
+        self.cut = output_tokens > max_tokens
+        self.arrival = arrival
+        self.generated = 0
+        self.computed = 0  # tokens of (prompt + generated) whose KV is in the cache
+        self.first_scheduled: float | None = None
+        self.prefill_done_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.preemptions = 0
+        self.in_host = False  # its KV cache waits in host memory (swapped out), to be copied back when admitted
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens the next forward pass must process: 1 while decoding, more while prefilling."""
+        return self.context - self.computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What happened during one `advance` call, for metrics and streaming."""
+
+    progressed: list[Sequence] = field(default_factory=list)  # got tokens (or finished), each once
+    finished: list[Sequence] = field(default_factory=list)
+    inter_token: list[tuple[float, int]] = field(default_factory=list)  # (gap seconds, decode tokens)
+    prompt_tokens: int = 0  # prefill tokens computed (recomputes included, as vLLM counts them)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    experts: float = 0.0  # MoE tiers: the steps' expected distinct experts per layer, summed over the steps
+
+
+@dataclass(slots=True)
+class _Plan:
+    start: float
+    end: float
+    admitted: list[Sequence]
+    work: list[tuple[Sequence, int]]  # (sequence, tokens it processes this step)
+    decoding: int  # sequences processing exactly their last sampled token
+    preempted: list[Sequence]
+    union: float = 0.0  # MoE tiers: expected distinct experts per layer the step loads
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, now: float = 0.0):
+        self.spec = spec
+        self.clock = now  # end of the last step, or when the engine last went idle
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._by_id: dict[object, Sequence] = {}
+        self.swapped: dict[object, Sequence] = {}  # swapped out, KV cache in host memory, until swapped in or dropped
+        self._plan: _Plan | None = None  # cached until state changes
+        self.last_step_end = now  # when the last step completed (the clock also moves while idle)
+        # Only requests that arrived by then are admitted: a GPU shared by several models serves them
+        # first come first served, so the loaded one stops taking requests that came after another's.
+        self.admit_until = math.inf
+        self.experts = ExpertModel(spec.moe) if spec.moe is not None else None
+
+    # ---- queries ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def blocks_used(self) -> int:
+        size = self.spec.block_size
+        return sum(-(-s.computed // size) for s in self.running)
+
+    def kv_usage(self) -> float:
+        return min(1.0, self.blocks_used() / self.spec.num_gpu_blocks)
+
+    def get(self, rid) -> Sequence | None:
+        return self._by_id.get(rid)
+
+    @property
+    def drained(self) -> bool:
+        """Nothing runs and nothing it may admit waits (what waits came after `admit_until`)."""
+        return not self.running and not (self.waiting and self.waiting[0].arrival <= self.admit_until)
+
+    def gate(self, admit_until: float) -> None:
+        if admit_until != self.admit_until:
+            self.admit_until = admit_until
+            self._plan = None
+
+    def resume(self, at: float) -> None:
+        """Its model is on the GPU again from `at`: nothing of it ran while another model was loaded."""
+        self.clock = max(self.clock, at)
+        self._plan = None
+
+    def next_step_end(self) -> float | None:
+        """When the next step would complete, or None if there is nothing to run."""
+        plan = self._planned()
+        return plan.end if plan else None
+
+    # ---- commands ----------------------------------------------------------
+    def add(self, rid, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float,
+            domain: str | None = None) -> Sequence:
+        """Queue a request; `domain` (the prompt's kind, None if unknown) matters on MoE tiers only."""
+        if rid in self._by_id:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        if prompt_tokens + max_tokens > self.spec.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds max_model_len {self.spec.max_model_len}"
+            )
+        if not self.busy:
+            self.clock = max(self.clock, now)
+        index = self.experts.domain(domain) if self.experts is not None else ExpertModel.NEUTRAL
+        seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0), domain=index)
+        self.waiting.append(seq)
+        self._by_id[rid] = seq
+        self._plan = None
+        return seq
+
+    def abort(self, rid, now: float) -> Sequence | None:
+        """Drop a request (client went away). Returns it, marked 'abort', or None if unknown or done."""
+        seq = self._by_id.pop(rid, None)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.finish_reason = "abort"
+        seq.finish_time = max(now, self.clock)
+        self._plan = None
+        return seq
+
+    def swap_out(self, rid, now: float) -> Sequence | None:
+        """GPU-CPU state swap: take a request off the GPU, its KV cache copied to host memory (in the
+        background), to resume where it stopped when swapped in. None if unknown, done, or host memory
+        cannot hold its KV cache (the caller then aborts it)."""
+        seq = self._by_id.get(rid)
+        held = sum(s.computed for s in self.swapped.values())
+        if seq is None or held + seq.computed > self.spec.host_kv_tokens:
+            return None
+        del self._by_id[rid]
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.in_host = seq.computed > 0
+        self.swapped[rid] = seq
+        self._plan = None
+        return seq
+
+    def swap_in(self, rid, now: float) -> Sequence:
+        """Queue a swapped-out request again; when admitted its KV cache is copied back, not recomputed."""
+        seq = self.swapped.pop(rid)
+        if not self.busy:
+            self.clock = max(self.clock, now)
+        seq.arrival = max(now, 0.0)
+        self.waiting.append(seq)
+        self._by_id[rid] = seq
+        self._plan = None
+        return seq
+
+    def drop_swapped(self, rid) -> Sequence | None:
+        """Forget a swapped-out request (it went to another instance)."""
+        return self.swapped.pop(rid, None)
+
+    def advance(self, until: float) -> StepReport:
+        """Run every step that completes by `until`."""
+        report = StepReport()
+        seen: set[int] = set()
+        while True:
+            plan = self._planned()
+            if plan is None or plan.end > until:
+                break
+            self._commit(plan, report, seen)
+        if not self.busy:
+            self.clock = max(self.clock, until)
+        return report
+
+    # ---- internals ---------------------------------------------------------
+    def _planned(self) -> _Plan | None:
+        if self._plan is None and self.busy:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> _Plan | None:
+        spec = self.spec
+        size = spec.block_size
+        start = self.clock
+
+        def new_blocks(s: Sequence, tokens: int) -> int:
+            return -(-(s.computed + tokens) // size) - (-(-s.computed // size))
+
+        # Running sequences keep their slots: decoders (one pending token) first
+        # so they never starve, then unfinished prefills by chunk. If the KV
+        # cache cannot take this step's tokens, preempt the newest sequence.
+        running = list(self.running)
+        preempted: list[Sequence] = []
+        while True:
+            budget = spec.max_num_batched_tokens
+            free = spec.num_gpu_blocks - sum(-(-s.computed // size) for s in running)
+            work: list[tuple[Sequence, int]] = []
+            for s in running:
+                if s.pending == 1:
+                    work.append((s, 1))
+                    budget -= 1
+            for s in running:
+                if s.pending > 1 and budget > 0:
+                    chunk = min(s.pending, budget)
+                    work.append((s, chunk))
+                    budget -= chunk
+            need = sum(new_blocks(s, t) for s, t in work)
+            if need <= free or not running:
+                break
+            preempted.append(running.pop())
+        free -= need
+
+        # Admit waiting sequences (FCFS) that have arrived and fit the slot
+        # limit, the token budget and the KV cache. After a preemption nothing
+        # new is admitted: the cache is full.
+        admitted: list[Sequence] = []
+        slots = spec.max_num_seqs - len(running)
+        if not preempted:
+            for s in self.waiting:
+                if s.arrival > start or s.arrival > self.admit_until or slots <= 0 or budget <= 0:
+                    break
+                chunk = min(s.pending, budget)
+                blocks = new_blocks(s, chunk) + (-(-s.computed // size) if s.in_host else 0)
+                if blocks > free:
+                    break
+                admitted.append(s)
+                work.append((s, chunk))
+                budget -= chunk
+                free -= blocks
+                slots -= 1
+
+        if not work and not preempted:
+            # Work that cannot start now: a later arrival, or a request whose
+            # prompt does not fit even an empty cache (vLLM rejects those at
+            # admission; we never admit them, so they wait until aborted).
+            later = [s.arrival for s in self.waiting if start < s.arrival <= self.admit_until]
+            if not later:
+                return None
+            self.clock = min(later)
+            return self._make_plan()
+
+        decoding = sum(1 for _, t in work if t == 1)
+        kv_tokens = sum(s.computed for s, _ in work)
+        prefill_tokens = sum(t for _, t in work if t > 1)
+        union = 0.0
+        factor = 1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
+        if self.experts is not None:  # MoE: the dense part above, and the MoE layers by the experts loaded
+            tokens: dict[int, int] = {}
+            for s, t in work:
+                tokens[s.domain] = tokens.get(s.domain, 0) + t
+            union = self.experts.union(tokens)
+            factor = self.experts.step_factor(factor, union)
+        duration = spec.tpot_s * factor + spec.prefill_s_per_token * prefill_tokens
+        duration += spec.kv_swap_s_per_token * sum(s.computed for s in admitted if s.in_host)  # copied back
+        return _Plan(start, start + duration, admitted, work, decoding, preempted, union)
+
+    def _commit(self, plan: _Plan, report: StepReport, seen: set[int]) -> None:
+        end = plan.end
+        for s in plan.preempted:
+            self.running.remove(s)
+            s.computed = 0  # recompute: prompt and generated tokens prefill again
+            s.preemptions += 1
+            report.preemptions += 1
+            self.waiting.appendleft(s)
+        for s in plan.admitted:
+            self.waiting.remove(s)  # admitted ones are at the head, so this is O(1) in practice
+            self.running.append(s)
+            s.in_host = False
+            if s.first_scheduled is None:
+                s.first_scheduled = plan.start
+
+        for s, tokens in plan.work:
+            if tokens > 1 or s.generated == 0:
+                report.prompt_tokens += tokens
+            s.computed += tokens
+            if s.computed < s.context:
+                continue  # prefill continues next step
+            # All known tokens are in the cache: the model samples the next one.
+            if s.prefill_done_time is None:
+                s.prefill_done_time = end
+            s.generated += 1
+            report.generation_tokens += 1
+            if s.first_token_time is None:
+                s.first_token_time = end
+            if s.generated >= s.target_tokens:
+                s.finish_reason = "length" if s.cut else "stop"
+                s.finish_time = end
+                self.running.remove(s)
+                del self._by_id[s.rid]
+                report.finished.append(s)
+            if id(s) not in seen:
+                seen.add(id(s))
+                report.progressed.append(s)
+        if plan.decoding:
+            report.inter_token.append((end - plan.start, plan.decoding))
+        report.steps += 1
+        report.experts += plan.union
+        self.clock = self.last_step_end = end
+        self._plan = None

@@ -1,0 +1,314 @@
+"""Progressive mode's plan, pure (PICE, papers/pice-progressive-inference.txt): no I/O, no clock.
+
+A large-tier model writes a sketch of numbered points; small-tier models expand
+each point (several candidates where the budget allows); the gateway keeps each
+point's most confident expansion (mean token logprob) and assembles the points
+in order. This module holds the decisions and the arithmetic; the server does
+the calls. The prompts themselves are gateway/core/progressive_prompts.py.
+
+- `fallback_reason`: which prompts go through normal routing instead, and why.
+- `parse_points`: a sketch answer into its points.
+- `tiers`: which model sketches and which expand.
+- `plan_calls`, `check_budget`, `candidates_within`: the calls and their worst-case cost.
+- `choose`: one point's expansion among candidates.
+- `answer_part`, `assemble`: the final text, in point order (the same pieces a stream sends).
+- `Usage`, `sum_usage`: tokens and cost over every upstream call.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from gateway.core.budget import within_budget
+
+# --- the fallback rule --------------------------------------------------------------------------------
+
+
+class Fallback(StrEnum):
+    """Why a progressive request goes through normal routing (a metric label)."""
+
+    EMPTY = "empty_prompt"
+    CODE = "code"
+    SINGLE_FACT = "single_fact"
+    SHORT_ANSWER = "short_answer"
+    NO_ESTIMATE = "no_estimate"
+
+
+DEFAULT_CODE_PATTERNS = (
+    r"```",  # a fenced block
+    r"^\s*(def|class)\s+\w+",  # Python
+    r"\bfunction\s*\w*\s*\(",  # JavaScript
+    r"\bSELECT\b[\s\S]+\bFROM\b",  # SQL
+    r"#include\s*<",  # C / C++
+    r"\b(write|implement|fix|debug|refactor)\b[^.?!\n]{0,40}\b(code|function|script|program|class|query|regex)\b",
+)
+DEFAULT_FACT_OPENERS = (
+    r"(what|who|whom|whose|when|where|which)\b",
+    r"how\s+(many|much|old|long|far|tall)\b",
+    r"(name|define)\b",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackRule:
+    """When a progressive request is better served whole. Checked in this order:
+
+    1. EMPTY: the prompt has no words;
+    2. CODE: any of `code_patterns` matches (code does not split into independent points);
+    3. SINGLE_FACT: the prompt opens with one of `fact_openers`, has at most `fact_max_words`
+       words, and the predicted answer is at most `fact_max_answer_tokens` (unknown counts as short);
+    4. NO_ESTIMATE: no predicted length and `require_estimate`;
+    5. SHORT_ANSWER: the predicted answer is under `min_answer_tokens` (a sketch of at least
+       three points and their expansions only pays for a long answer).
+    """
+
+    min_answer_tokens: int = 200
+    fact_max_words: int = 15
+    fact_max_answer_tokens: int = 400
+    require_estimate: bool = False
+    code_patterns: tuple[str, ...] = DEFAULT_CODE_PATTERNS
+    fact_openers: tuple[str, ...] = DEFAULT_FACT_OPENERS
+    _code: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+    _fact: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_code", tuple(re.compile(p, re.IGNORECASE | re.MULTILINE)
+                                                for p in self.code_patterns))
+        object.__setattr__(self, "_fact", re.compile(r"\s*(?:" + "|".join(self.fact_openers) + r")",
+                                                     re.IGNORECASE))
+
+
+def fallback_reason(prompt: str, predicted_tokens: float | None,
+                    rule: FallbackRule = FallbackRule()) -> Fallback | None:
+    """Why this prompt should go through normal routing, or None if progressive mode suits it.
+    `predicted_tokens`: the estimated answer length on the large tier (None: no estimate)."""
+    words = prompt.split()
+    if not words:
+        return Fallback.EMPTY
+    if any(p.search(prompt) for p in rule._code):
+        return Fallback.CODE
+    if (len(words) <= rule.fact_max_words and rule._fact.match(prompt)
+            and (predicted_tokens is None or predicted_tokens <= rule.fact_max_answer_tokens)):
+        return Fallback.SINGLE_FACT
+    if predicted_tokens is None:
+        return Fallback.NO_ESTIMATE if rule.require_estimate else None
+    if predicted_tokens < rule.min_answer_tokens:
+        return Fallback.SHORT_ANSWER
+    return None
+
+
+# --- the sketch -----------------------------------------------------------------------------------------
+
+_MARKED = re.compile(r"^\s*(?:\(?\d{1,2}\s*[.):]|[-*\u2022])\s*(.*)$")
+_EMPHASIS = re.compile(r"[*_`]{1,3}")
+
+
+def _clean(text: str) -> str:
+    return " ".join(_EMPHASIS.sub("", text).split()).strip(" :;-")
+
+
+def parse_points(sketch: str, max_points: int) -> list[str]:
+    """The points of a sketch answer, in order: lines opening "1." / "1)" / "(1)" / "-" / "*" start a point,
+    an unmarked line continues the one before (or is a point itself when no line is marked); markdown
+    emphasis goes, duplicates (ignoring case and spacing) go, at most `max_points` are kept."""
+    lines = [ln for ln in sketch.splitlines() if ln.strip()]
+    marked = [_MARKED.match(ln) for ln in lines]
+    raw: list[str] = []
+    if not any(marked):
+        raw = lines
+    else:
+        for ln, m in zip(lines, marked, strict=True):
+            if m is not None:
+                raw.append(m.group(1))
+            elif raw:
+                raw[-1] += " " + ln
+            # text before the first marked line is a preamble ("Here is the skeleton:"), dropped
+    points: list[str] = []
+    seen: set[str] = set()
+    for text in raw:
+        point = _clean(text)
+        key = point.casefold()
+        if point and key not in seen:
+            seen.add(key)
+            points.append(point)
+        if len(points) >= max_points:
+            break
+    return points
+
+
+# --- usage ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens and cost (USD) of one upstream call, or of several summed."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
+                     self.cost + other.cost)
+
+
+def sum_usage(usages: Iterable[Usage]) -> Usage:
+    """What the client is charged: every call's tokens and cost (the sketch, every candidate, failed ones too)."""
+    total = Usage()
+    for u in usages:
+        total = total + u
+    return total
+
+
+# --- choosing among candidates --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One expansion of one point: its text, its tokens' logprobs (None: the upstream sent none)."""
+
+    text: str
+    token_logprobs: Sequence[float] | None
+    usage: Usage = Usage()
+    source: str = ""  # the instance or model that wrote it, for logs
+
+    @property
+    def mean_logprob(self) -> float:
+        """Confidence: mean token logprob; -inf without logprobs or tokens."""
+        lps = self.token_logprobs
+        return math.fsum(lps) / len(lps) if lps else -math.inf
+
+
+def choose(candidates: Sequence[Candidate]) -> int:
+    """Index of the expansion to keep: highest mean token logprob; ties go to the shorter answer
+    (completion tokens, else characters), then to the first."""
+    if not candidates:
+        raise ValueError("no candidates to choose from")
+
+    def key(i: int) -> tuple[float, int, int]:
+        c = candidates[i]
+        length = c.usage.completion_tokens or len(c.text)
+        return (c.mean_logprob, -length, -i)
+
+    return max(range(len(candidates)), key=key)
+
+
+# --- assembly -------------------------------------------------------------------------------------------
+
+
+def answer_part(index: int, point: str, expansion: str | None) -> str:
+    """Point `index`'s (0-based) share of the final answer, separator included: streaming the parts
+    in order gives exactly `assemble`'s text. A point with no expansion keeps the sketch's words."""
+    body = " ".join((expansion or "").split()) or point
+    return ("" if index == 0 else "\n\n") + f"{index + 1}. {body}"
+
+
+def assemble(points: Sequence[str], expansions: Sequence[str | None]) -> str:
+    """The final answer: each point's chosen expansion, numbered, in point order."""
+    if len(points) != len(expansions):
+        raise ValueError(f"{len(points)} points but {len(expansions)} expansions")
+    return "".join(answer_part(i, p, e) for i, (p, e) in enumerate(zip(points, expansions, strict=True)))
+
+
+# --- the plan and its budget ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressiveLimits:
+    """Bounds of one progressive request."""
+
+    max_points: int = 8  # points asked for (and kept) in the sketch
+    sketch_max_tokens: int = 160
+    expansion_max_tokens: int = 200
+    candidates: int = 2  # expansions per point, at most
+    min_points: int = 2  # a sketch with fewer points is answered whole (normal routing)
+
+
+def tiers(prices: Mapping[str, tuple[float, float]], expanders: int) -> tuple[str, list[str]] | None:
+    """The sketch model and the expansion models among `prices` (model -> (output, input) price): the
+    highest-priced model (the largest tier) sketches; the `expanders` cheapest others expand, cheapest
+    first. None when there are not two models."""
+    if len(prices) < 2:
+        return None
+    ordered = sorted(prices, key=lambda m: prices[m])
+    return ordered[-1], ordered[:-1][:max(1, expanders)]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One upstream call of the plan: stage "sketch" (point None) or "expand" (point 1-based, candidate 0-based)."""
+
+    stage: str
+    model: str
+    max_tokens: int
+    point: int | None = None
+    candidate: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """USD per token (budget.per_token of the config's per-1M prices)."""
+
+    input: float
+    output: float
+
+
+def plan_calls(sketch_model: str, expand_models: Sequence[str], points: int,
+               limits: ProgressiveLimits = ProgressiveLimits(), candidates: int | None = None) -> list[Call]:
+    """The sketch call, then `candidates` expansions of each of `points` points (candidate c on
+    expand_models[c % len]: spreading candidates over models is what makes them differ)."""
+    if not expand_models:
+        raise ValueError("no model to expand with")
+    c = limits.candidates if candidates is None else candidates
+    calls = [Call("sketch", sketch_model, limits.sketch_max_tokens)]
+    calls += [Call("expand", expand_models[k % len(expand_models)], limits.expansion_max_tokens, point=p, candidate=k)
+              for p in range(1, points + 1) for k in range(c)]
+    return calls
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCheck:
+    fits: bool
+    worst_case: float  # USD if every call used its max_tokens
+    budget: float | None
+
+
+def worst_case_cost(calls: Sequence[Call], prompt_tokens: Mapping[str, int], prices: Mapping[str, Price]) -> float:
+    """USD if every call ran to its max_tokens. `prompt_tokens` per stage ("sketch", "expand"): the
+    expansion prompt carries the question and the whole skeleton, so bound it by sketch_max_tokens."""
+    total = 0.0
+    for call in calls:
+        price = prices[call.model]
+        total += prompt_tokens[call.stage] * price.input + call.max_tokens * price.output
+    return total
+
+
+def check_budget(calls: Sequence[Call], prompt_tokens: Mapping[str, int], prices: Mapping[str, Price],
+                 budget: float | None) -> BudgetCheck:
+    """Whether the whole plan fits the budget in the worst case (None: no budget, always fits)."""
+    worst = worst_case_cost(calls, prompt_tokens, prices)
+    return BudgetCheck(budget is None or bool(within_budget(worst, budget)), worst, budget)
+
+
+def candidates_within(sketch_model: str, expand_models: Sequence[str], prompt_tokens: Mapping[str, int],
+                      prices: Mapping[str, Price], budget: float | None,
+                      limits: ProgressiveLimits = ProgressiveLimits(), points: int | None = None,
+                      sketched: bool = False) -> int:
+    """The most candidates per point (up to limits.candidates) whose plan fits the budget in the worst
+    case, for `points` points (before the sketch: limits.max_points); 0 if not even one fits, when the
+    server falls back to normal routing or refuses with the worst case in its message. `sketched`: the
+    sketch is written and paid, so only the expansions count against `budget` (what is left of it)."""
+    n = limits.max_points if points is None else points
+    for c in range(limits.candidates, 0, -1):
+        plan = plan_calls(sketch_model, expand_models, n, limits, candidates=c)[1 if sketched else 0:]
+        if check_budget(plan, prompt_tokens, prices, budget).fits:
+            return c
+    return 0

@@ -1,0 +1,340 @@
+"""The lab's commands: train | profile | bench | sim | calibrate | train-policy.
+
+gateway/cli.py registers them only when one of them (or the help) is asked for,
+so `routebalance serve` never imports the lab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from gateway.lab.experiments.tables import duration, format_pairs, format_rows
+
+
+def add_commands(sub, config_option) -> None:
+    """The lab's subcommands; `config_option(parser)` adds the shared --config option."""
+    from gateway.lab.experiments.catalog import SWEEPS
+    from gateway.policies import registry
+
+    sweep_names = tuple(SWEEPS)
+    p = sub.add_parser("train", help="build the estimator artefacts (index, labels, TPOT heads) and report accuracy")
+    config_option(p)
+    p.add_argument("--out", type=Path, help="output directory (default: [estimators].models_dir)")
+    p.add_argument("--workload", help="labelled JSONL (default: the synthetic workload)")
+    p.add_argument("--traces", nargs="*", default=[], help="trace files from `profile` (default: virtual sweeps)")
+    p.add_argument("--if-stale", action="store_true", help="rebuild only if missing, stale or corrupt")
+
+    p = sub.add_parser("profile", help="rate-sweep one live instance and record TPOT traces for `train`")
+    config_option(p)
+    p.add_argument("--instance", required=True, help="instance name from the config")
+    p.add_argument("--rates", default="0.5,1,2,4,8", help="request rates to sweep, req/s, comma-separated")
+    p.add_argument("--requests", type=int, default=200, help="requests per rate (bounds the run)")
+    p.add_argument("--out", type=Path, help="trace file (default: <models_dir>/traces/<instance>.jsonl)")
+
+    p = sub.add_parser("bench", help="time the estimators per request at several batch sizes and truncations")
+    config_option(p)
+    p.add_argument("--prompts", type=int, default=512, help="prompts timed per setting")
+
+    p = sub.add_parser("sim", help="simulate the gateway over the pool in virtual time: one cell, or a named sweep")
+    config_option(p)
+    p.add_argument("--sweep", choices=sweep_names, metavar="SWEEP",
+                   help="run a named sweep instead of one cell: " + ", ".join(sweep_names))
+    p.add_argument("--json", action="store_true", help="one cell: print every figure as JSON instead of the table")
+    p.add_argument("--requests", type=int,
+                   help="held-out prompts per cell (default 2500, the staleness sweep 1200; the paper's held-out set "
+                        "is 3534; 2500 keeps the five sweeps at five seeds near 27 minutes on two cores, 3534 near 36)")
+    p.add_argument("--seeds", type=int,
+                   help="arrival seeds 0..N-1 per cell, reported as means with 95%% bootstrap intervals "
+                        "(default: 5 for a sweep; one cell runs on --seed alone unless given)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes for a sweep")
+    p.add_argument("--out", type=Path, default=Path("loadtest/results"),
+                   help="where a sweep writes NAME.{csv,json,png}, NAME_pairs.{csv,json} and NAME_seeds.csv")
+    p.add_argument("--workload", help="labelled JSONL whose held-out split is replayed (default: synthetic)")
+    p.add_argument("--policy", default="routebalance", choices=registry.names(), metavar="POLICY",
+                   help="one cell: a registered policy (`routebalance policies` describes each): "
+                        + ", ".join(registry.names()))
+    p.add_argument("--preset", default="uniform", help="one cell: RouteBalance preset from the config "
+                                                           "(quality, uniform, cost, latency, or one of its own)")
+    p.add_argument("--rate", type=float, default=12.0, help="one cell: mean arrivals per second")
+    p.add_argument("--arrivals", default="poisson", choices=("poisson", "gamma", "square"),
+                   help="one cell: the arrival process")
+    p.add_argument("--shape", type=float, default=0.5, help="one cell: gamma shape (below 1 is bursty)")
+    p.add_argument("--budget-share", type=float, default=0.0, help="one cell: share of requests with a budget")
+    p.add_argument("--model", help="one cell: every request names this pool model (default: the routing alias)")
+    p.add_argument("--slos", default="",
+                   help="one cell: end-to-end SLO mix as SECONDS:SHARE pairs, e.g. 25:0.5,300:0.5 (the rest: none); "
+                        "requests with an SLO of 60 s or more do not stream")
+    p.add_argument("--tpot-slo-ms", type=float, help="one cell: every request's time-per-output-token bound")
+    p.add_argument("--mega-share", type=float, default=0.0,
+                   help="one cell: share of mega prompts (3,000 prompt and 1,000 answer tokens: QLM's W_C)")
+    p.add_argument("--tail", type=float,
+                   help="one cell: QLM's multi-model W_A, four GPUs time-sharing five models; the three tail "
+                        "models take this share of the requests (0..1)")
+    p.add_argument("--pool",
+                   help="one cell: a pool made for an experiment instead of the config's instances: moe (ELDR's "
+                        "eight mixture-of-experts instances, gateway/examples/moe.toml), moe-shift (the same, half "
+                        "the traffic one kind), W_A, or a config .toml whose instances to use")
+    p.add_argument("--compare", default="",
+                   help="one cell: also run these policies (comma-separated; `balancers`: round robin, shortest "
+                        "queue and power of two choices) on the same prompts and arrivals, and print a table with "
+                        "paired differences against --policy (TPOT, E2E)")
+    p.add_argument("--progressive", action="store_true",
+                   help="one cell: every request asks for progressive mode (PICE: the largest tier sketches, the "
+                        "cheapest models expand; [progressive] sets the limits and the fallback rule)")
+    p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="one cell: gateway replicas behind a round-robin balancer, sharing their in-flight work")
+    p.add_argument("--staleness-ms", type=float, default=0.0,
+                   help="one cell, replicas: what one replica publishes reaches the others this much later")
+    p.add_argument("--sync-ms", type=float,
+                   help="one cell, replicas: each publishes its share and reads the others' this often (default: "
+                        "[state].sync_interval_s; 0: every decision reads the others' work as it is; inf: never)")
+
+    p = sub.add_parser("calibrate", help="check the simulated world against the paper's testbed: target vs achieved")
+    config_option(p)
+    p.add_argument("--requests", type=int, default=3534, help="held-out prompts per cell (paper: 3,534)")
+    p.add_argument("--seeds", type=int, default=1, help="arrival seeds per cell (figures are their mean)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes")
+
+    p = sub.add_parser("train-policy", help="train a learned routing policy in the simulator and export it "
+                                            "(qos-rl: soft actor-critic -> ONNX; needs the [train] extra)")
+    p.add_argument("policy", choices=("qos-rl", "eldr"),
+                   help="the policy to train (eldr: fit its balanced k-means centroids, one per instance of each "
+                        "model of the config, into <models_dir>/eldr/, and report them)")
+    config_option(p)
+    p.add_argument("--out", type=Path, default=Path("models/qos_rl"), help="where actor.onnx and its files go")
+    p.add_argument("--seed", type=int,
+                   help="qos-rl: seed of the networks, the episodes and the replay (default 0); eldr: of the k-means "
+                        "and its calibration sample (default: [policies.eldr].seed)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="wall-clock seconds of collecting and learning (evaluation and export come on top)")
+    p.add_argument("--gain", choices=("eq16", "credited"), default="credited",
+                   help="the reward's QoS term: eq16, the paper's (QoS completed since the last decision), or "
+                        "credited (each request's own QoS, to its own decision)")
+    p.add_argument("--penalty", choices=("eq16", "marginal"), default="marginal",
+                   help="its impact term: eq16, the paper's (every running request on the chosen instance "
+                        "predicted to miss its bound), or marginal (only those the action pushes over)")
+    p.add_argument("--demo-episodes", type=int, default=12,
+                   help="episodes of the qos heuristic's decisions the actor first imitates (0: SAC from scratch)")
+
+def cmd_train(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.lab.training.build import BuildProgress, ensure_built, format_report, train
+
+    config = load_config(args.config)
+    out = args.out or Path(config.estimators.models_dir)
+    build = ensure_built if args.if_stale else train
+    manifest = build(config, out, workload=args.workload, trace_files=args.traces, progress=BuildProgress())
+    print(format_report(manifest))
+    print(f"artefacts in {out}/")
+    return 0
+
+
+def cmd_train_policy(args) -> int:
+    from gateway.config.store import load_config
+
+    if args.policy == "eldr":
+        return _fit_eldr(load_config(args.config), args.seed)
+    if args.seed is None:
+        args.seed = 0
+    try:
+        from gateway.lab.training.qos_rl import TrainSettings, main
+    except ImportError as e:
+        print(f"error: training needs PyTorch ({e}): pip install 'routebalance-gateway[train]'", file=sys.stderr)
+        return 2
+    command = (f"routebalance train-policy {args.policy} --seed {args.seed} --budget-s {args.budget_s:g} "
+               f"--gain {args.gain} --penalty {args.penalty} --demo-episodes {args.demo_episodes}")
+    settings = TrainSettings(seed=args.seed, budget_s=args.budget_s, gain=args.gain, penalty=args.penalty,
+                             demo_episodes=args.demo_episodes)
+    result = main(load_config(args.config), settings, args.out, command)
+    m = result.meta
+    print(f"{m['episodes']} episodes, {m['env_steps']} decisions, {m['updates']} updates in {m['training_s']:.0f} s; "
+          f"evaluation QoS {m['start_eval_qos']:.4f} -> {m['best_eval_qos']:.4f} (episode {m['best_episode']}; "
+          f"the qos heuristic: {m['heuristic_eval_qos']:.4f})")
+    print(f"actor in {result.out_dir}/actor.onnx, learning curve in {result.out_dir}/learning_curve.csv")
+    return 0
+
+
+def _fit_eldr(config, seed: int | None) -> int:
+    """ELDR's centroids for the config's pool, fitted (or found) under its models_dir, and reported."""
+    from gateway.artefacts import ArtefactError
+    from gateway.estimators.bundle import Estimators
+    from gateway.lab.training.centroids import fit_for_config, format_report
+
+    try:  # loaded, not built: fitting centroids must not refit the TPOT heads of a config's new tiers
+        estimators = Estimators.load(config)
+    except ArtefactError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(fit_for_config(config, estimators, seed=seed)))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.lab.training.build import tier_lengths
+    from gateway.lab.training.profile import live_sweep
+    from gateway.lab.training.traces import write_traces
+    from gateway.lab.workload.synthetic import generate
+
+    config = load_config(args.config)
+    inst = config.instance(args.instance)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates) or args.requests < 1:
+        raise ValueError("--rates must be positive numbers and --requests at least 1")
+    lengths = tier_lengths(generate(config.estimators.train_records, seed=config.estimators.seed), inst.model, 0)
+    rows = asyncio.run(live_sweep(inst.url, inst.model, inst.gpu, lengths, rates=rates,
+                                  requests_per_rate=args.requests))
+    out = args.out or Path(config.estimators.models_dir) / "traces" / f"{inst.name}.jsonl"
+    write_traces(rows, out)
+    print(f"{len(rows)} traces from {inst.name} at {rates} req/s -> {out}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.lab.training.bench import run_bench
+
+    print(run_bench(load_config(args.config), prompts=args.prompts))
+    return 0
+
+
+def cmd_sim(args) -> int:
+    import orjson
+
+    from gateway.lab.experiments.catalog import REQUESTS
+    from gateway.lab.experiments.sweeps import Cell, run_seeded
+
+    if args.requests is None:
+        args.requests = REQUESTS.get(args.sweep, 2500)
+    if args.requests < 1 or args.workers < 1 or (args.seeds is not None and args.seeds < 1):
+        raise ValueError("--requests, --workers and --seeds must be at least 1")
+    if args.sweep:
+        return _sim_sweep(args)
+    from gateway.config.store import load_config
+    from gateway.core.slo import BATCH_SLO_S, parse_slo_mix
+    from gateway.lab.sim.arrivals import ArrivalSpec
+    from gateway.lab.sim.simulator import CellSpec
+
+    models, tags = (), {}
+    if args.pool:
+        from gateway.lab.sim.pools import named
+
+        named(args.pool)  # an unknown pool is refused before anything runs
+        tags = {"pool": args.pool}
+    if args.tail is not None:
+        from gateway.lab.experiments.slo_sweeps import w_a_mix
+
+        if not 0 <= args.tail <= 1 or args.model or args.pool not in (None, "W_A"):
+            raise ValueError("--tail is a share in 0..1, and W_A's requests name their own models (no --model, "
+                             "no other --pool)")
+        models, tags = w_a_mix(args.tail), {"pool": "W_A"}
+    cfg = load_config(args.config)
+    w = cfg.weights(args.preset)
+    sync_s = cfg.state.sync_interval_s if args.sync_ms is None else args.sync_ms / 1000
+    spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
+                    ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
+                    budget_share=args.budget_share, model=args.model, models=models, slos=parse_slo_mix(args.slos),
+                    tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
+                    mega_share=args.mega_share, stream_below_s=BATCH_SLO_S, replicas=args.replicas,
+                    sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000, progressive=args.progressive)
+    if args.progressive:
+        tags |= {"mode": "progressive"}
+    if args.replicas > 1:
+        from gateway.lab.sim.replicas import sharing_mode
+
+        tags |= {"replicas": args.replicas, "sharing": sharing_mode(args.replicas, sync_s),
+                 "sync_ms": 1000 * sync_s, "staleness_ms": args.staleness_ms}
+    seeds = [args.seed] if args.seeds is None else list(range(args.seeds))
+    if args.compare:
+        return _sim_compare(args, spec, tags, seeds)
+    result = run_seeded([Cell(args.policy, args.preset, spec, tags=tags)], str(args.config), args.requests,
+                        seeds=seeds, workers=min(args.workers, len(seeds)), workload=args.workload)
+    if args.json:
+        print(orjson.dumps(result.rows[0], option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
+        return 0
+    print(format_rows(result.rows, latency=args.pool is not None))
+    print(f"{len(seeds)} seed(s) of {args.requests} requests at {args.rate:g} req/s"
+          + (f" on pool {args.pool}" if args.pool else "") + "; ± half the 95% interval where there is one; "
+          "--json prints every figure")
+    return 0
+
+
+BALANCERS = ("passthrough+round_robin", "passthrough+shortest_queue", "passthrough+power_of_two")
+COMPARED = ("decode_tpot_p50", "decode_tpot_p99", "e2e_mean")  # what --compare's pairs report, relative too
+
+
+def _sim_compare(args, spec, tags: dict, seeds: list[int]) -> int:
+    """One cell under --policy and under each --compare policy (same prompts, arrivals and seeds): the rows,
+    and --policy against each other, request by request (paired 95% intervals)."""
+    import dataclasses
+
+    from gateway.lab.experiments.sweeps import Cell, Pair, run_seeded
+    from gateway.policies import registry
+
+    others = [p for name in args.compare.split(",") if name.strip()
+              for p in (BALANCERS if name.strip() == "balancers" else (name.strip(),))]
+    for name in others:
+        registry.entry(name)  # ValueError naming the known ones
+    policies = list(dict.fromkeys([args.policy, *others]))
+    cells = [Cell(p.split("+")[0] if "+" in p else p, p, dataclasses.replace(spec, policy=p), tags=tags)
+             for p in policies]
+    pairs = [Pair(f"{args.policy} vs {p}", {"policy": args.policy}, {"policy": p}, COMPARED, relative=True)
+             for p in policies[1:]]
+    result = run_seeded(cells, str(args.config), args.requests, seeds=seeds, workers=min(args.workers, len(seeds)),
+                        workload=args.workload, pairs=pairs)
+    print(format_rows(result.rows, latency=True))
+    if result.pairs:
+        print(format_pairs(result.pairs))
+    print(f"{len(seeds)} seed(s) of {args.requests} requests at {args.rate:g} req/s"
+          + (f" on pool {args.pool}" if args.pool else "") + "; ± half the 95% interval")
+    return 0
+
+
+def _sim_sweep(args) -> int:
+    from gateway.lab.experiments.catalog import PAIRS, SWEEPS
+    from gateway.lab.experiments.plots import plot_sweep, require_matplotlib
+    from gateway.lab.experiments.sweeps import estimate_seconds, run_seeded, write_sweep
+
+    require_matplotlib()  # before the sweep's minutes, not after
+    seeds = 5 if args.seeds is None else args.seeds
+    cells = SWEEPS[args.sweep](args.requests)
+    pairs = PAIRS[args.sweep](cells)
+    estimate = estimate_seconds(cells, args.requests, seeds, args.workers)
+    print(f"{args.sweep}: {len(cells)} cells x {seeds} seeds of {args.requests} requests on {args.workers} workers, "
+          f"{len(pairs)} paired comparisons; about {duration(estimate)} (more if the cores are shared)", flush=True)
+    started = time.perf_counter()
+    step = max(1, len(cells) * seeds // 20)  # a line every 5%
+
+    def progress(done: int, total: int, cell, seed: int) -> None:
+        if done % step == 0 or done == total:
+            print(f"  {done}/{total} runs, {time.perf_counter() - started:.0f} s", flush=True)
+
+    result = run_seeded(cells, str(args.config), args.requests, seeds=seeds, workers=args.workers,
+                        workload=args.workload, pairs=pairs, progress=progress)
+    paths = [*write_sweep(result, args.out, args.sweep),
+             *plot_sweep(args.sweep, result.rows, args.out, pairs=result.pairs)]
+    print(format_rows(result.rows))
+    if result.pairs:
+        print(format_pairs(result.pairs))
+    print(f"{time.perf_counter() - started:.0f} s; wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """Print the calibration table; exit 1 when a target is missed (the README says which, and why)."""
+    from gateway.lab.experiments import calibrate
+
+    checks = calibrate.run(str(args.config), args.requests, args.seeds, args.workers)
+    print(calibrate.table(checks))
+    missed = [c.target.what for c in checks if not c.ok]
+    print(f"{len(checks) - len(missed)} of {len(checks)} targets met" + (f"; missed: {'; '.join(missed)}" if missed
+                                                                        else ""))
+    return 1 if missed else 0
+
+
+COMMANDS = {"train": cmd_train, "train-policy": cmd_train_policy, "profile": cmd_profile, "bench": cmd_bench,
+            "sim": cmd_sim, "calibrate": cmd_calibrate}

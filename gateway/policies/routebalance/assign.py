@@ -1,0 +1,194 @@
+"""RouteBalance's per-batch assignment (paper section 4.1, Algorithm 1), as plain functions.
+
+Per batch: order the requests by their longest predicted answer (LPT); for
+each, drop the candidates its budget cannot pay (Eq. 2), score the rest by
+Eq. 1 and take the best, then add the request to the chosen instance's
+state (dead reckoning) so the next request sees it. Quality and length are
+prompt-intrinsic and come in once per batch; latency depends on instance
+state and is re-derived after every dispatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+
+from gateway.config_schema import Section, section
+from gateway.core.budget import predicted_cost, within_budget
+from gateway.core.request import Decision, Estimates, Refusal, RouteRequest
+from gateway.core.scoring import QualityTerm, eq1, expected_latency, quality_term
+from gateway.core.view import PoolView
+
+# Feature rows for a TPOT head: instance state (view.STATE_FEATURES) + prompt and answer tokens.
+TpotFn = Callable[[str, np.ndarray], np.ndarray]  # (tier, rows) -> seconds per token
+TIE = 1e-9  # scores this close are equal; the tie-break decides
+LatencyTerm = Literal["heads", "prior", "off"]
+TieBreak = Literal["shortest_queue", "predicted"]
+
+
+@section
+class RouteBalanceOptions(Section):
+    """[policies.routebalance]: variants of the score, for experiments (the paper's isolation arms).
+
+    quality_term: the KNN score as is, or min-max normalised over the
+    candidates; latency_term: the TPOT heads with live pending work, the
+    tier's static prior (tpot_prior_ms x predicted length, no telemetry), or
+    off (w_lat = 0); tiebreak among equal scores: the shorter queue, or the
+    lower predicted latency then the shorter queue, and among instances
+    equal on those too a seeded random choice (`seed`), so ties spread load
+    instead of herding onto the lowest-numbered instance; lpt: longest
+    predicted answer first within a batch; budget_filter: Eq. 2 before
+    scoring (the dispatch clamp and the streaming stop apply either way).
+    """
+
+    quality_term: QualityTerm = "raw"
+    latency_term: LatencyTerm = "heads"
+    tiebreak: TieBreak = "shortest_queue"
+    lpt: bool = True
+    budget_filter: bool = True
+    seed: int = 0
+
+    @property
+    def uses_heads(self) -> bool:
+        """The heads price latency in the score, or (w_lat = 0) break ties by predicted latency."""
+        return self.latency_term == "heads" or (self.latency_term == "off" and self.tiebreak == "predicted")
+
+
+def lpt_order(lengths: Sequence[np.ndarray]) -> list[int]:
+    """Requests by their longest predicted answer over their candidates, longest first (stable)."""
+    keys = [float(row.max()) if len(row) else 0.0 for row in lengths]
+    return sorted(range(len(keys)), key=lambda r: -keys[r])
+
+
+class BatchLatency:
+    """Per-(request, instance) TPOT for a batch, kept current as dispatches land.
+
+    The heads run once per tier at the start (one call over every request of
+    the batch on every instance of the tier) and again for an instance each
+    time it gets a request. A prediction never falls after a dispatch: added
+    work cannot make an instance faster, and a tree's noise must not pull the
+    next request onto the instance that just got one.
+    """
+
+    def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None):
+        self.tpot_fn = tpot
+        self.inputs = np.array([r.input_tokens for r in batch], dtype=np.float64)
+        self.length = est.length
+        n, n_inst = est.length.shape
+        if tpot is None:  # the static prior: nominal TPOT, no telemetry
+            self.tpot = np.broadcast_to(view.tpot_prior_s, (n, n_inst)).copy()
+            return
+        self.tpot = np.empty((n, n_inst))
+        for tier in dict.fromkeys(view.tiers):
+            cols = [i for i, t in enumerate(view.tiers) if t == tier]
+            rows = np.concatenate([self._rows(view, i) for i in cols])
+            self.tpot[:, cols] = tpot(tier, rows).reshape(len(cols), n).T
+        self._fill_unknown(view)
+
+    def _fill_unknown(self, view: PoolView) -> None:
+        """A tier the heads do not know (added by a reload) answers NaN: use its configured prior."""
+        unknown = np.isnan(self.tpot)
+        if unknown.any():
+            self.tpot = np.where(unknown, view.tpot_prior_s[None, :], self.tpot)
+
+    def _rows(self, view: PoolView, i: int) -> np.ndarray:
+        n = len(self.inputs)
+        state = view.state_row(i)
+        return np.column_stack([np.broadcast_to(state, (n, len(state))),
+                                self.inputs, self.length[:, i]]).astype(np.float32)
+
+    def dispatched(self, view: PoolView, i: int) -> None:
+        """Re-predict instance i's column after `view.dispatched` added a request to it."""
+        if self.tpot_fn is not None:
+            fresh = self.tpot_fn(view.tiers[i], self._rows(view, i))
+            self.tpot[:, i] = np.fmax(self.tpot[:, i], fresh)  # fmax: a NaN (unknown tier) keeps the prior
+
+
+def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
+                 tpot: TpotFn | None, rng: np.random.Generator) -> list[Decision]:
+    """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place;
+    `rng` breaks the ties that remain after the tie-break keys."""
+    latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
+    usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
+    order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
+    decisions: dict[int, Decision] = {}
+    for k, r in enumerate(order):
+        req, cands = batch[r], usable[r]
+        decision = decisions[r] = decide_one(req, r, cands, est, view, latency, options, rng)
+        chosen = decision.ranked[0] if decision.ranked else None
+        if chosen is not None:
+            tokens = float(est.length[r, chosen])
+            view.dispatched(chosen, tokens, req.input_tokens)
+            if k + 1 < len(batch):  # the last request's dispatch has no one left to inform
+                latency.dispatched(view, chosen)
+    return [decisions[r] for r in range(len(batch))]
+
+
+def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, view: PoolView,
+               latency: BatchLatency, options: RouteBalanceOptions, rng: np.random.Generator) -> Decision:
+    length = est.length[r, cands]
+    cost = predicted_cost(req.input_tokens, length * req.n, view.price_in[cands], view.price_out[cands])
+    if options.latency_term == "prior":  # the paper's arm 4: nominal TPOT x length, no instance state
+        t = latency.tpot[r, cands] * length
+    else:
+        t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands],
+                             view.running[cands], view.waiting[cands], view.max_num_seqs[cands])
+    quality = est.quality[r, cands]
+    if req.budget_usd is not None:
+        keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
+                             options.budget_filter, req.n)
+        if not keep.any():
+            return Decision((), refused=refusal(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
+                                                view.price_out[cands], options.budget_filter, req.n))
+        cands, length, cost, t, quality = cands[keep], length[keep], cost[keep], t[keep], quality[keep]
+    weights = req.weights
+    if options.latency_term == "off":
+        weights = (weights[0], 0.0, weights[2])
+    scores = eq1(weights, quality_term(quality, options.quality_term), cost, t)
+    # Best score first; among equal scores the tie-break: the shorter queue
+    # (dead-reckoned requests on the instance), or the lower predicted latency
+    # and then the shorter queue (a tree's predictions are piecewise constant,
+    # so instances of a tier often tie on them; without the queue behind them
+    # such ties would all go to the lowest index). What is still equal after
+    # that (an idle pool, identical instances) is drawn at random.
+    queue = view.active[cands]
+    rounded = np.round(scores / TIE) * TIE
+    draw = rng.random(len(cands))
+    if options.tiebreak == "shortest_queue":
+        ranking = np.lexsort((draw, queue, -rounded))
+    else:
+        ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
+    best = ranking[0]
+    return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
+                    latency_s=float(t[best]), tokens=float(length[best]))
+
+
+def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
+                  use_filter: bool, n: int = 1) -> np.ndarray:
+    """Eq. 2 over one request's candidates: the mask of those kept.
+
+    With the filter: the predicted cost (prompt plus each candidate's own
+    predicted answer, `cost`) is within the budget. Without it: every
+    candidate that can pay for the prompt and one token for each of the `n`
+    answers; the dispatch clamp and the streaming stop cut what the budget
+    cannot buy. Nothing kept means the request is refused (402), never
+    rerouted to a candidate its budget was judged unable to pay.
+    """
+    payable = within_budget(predicted_cost(input_tokens, n, price_in, price_out), budget)
+    return within_budget(cost, budget) & payable if use_filter else payable
+
+
+def refusal(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
+            use_filter: bool, n: int = 1) -> Refusal:
+    least = float(predicted_cost(input_tokens, n, price_in, price_out).min()) if len(price_in) else 0.0
+    if use_filter and within_budget(least, budget):  # the prompt was payable: the predicted answer was not
+        return Refusal(402, f"the budget of {budget:.8f} USD is below the predicted cost of this request "
+                            f"({input_tokens} prompt tokens and the predicted answer) on every candidate instance; "
+                            f"the cheapest is predicted at {float(cost.min()):.8f} USD",
+                       "budget", "routing.budget_usd", "insufficient_budget")
+    answers = "one answer token" if n == 1 else f"one token for each of {n} answers"
+    return Refusal(402, f"the budget of {budget:.8f} USD cannot pay for this prompt ({input_tokens} tokens) and "
+                        f"{answers} on any candidate instance; the cheapest needs {least:.8f} USD",
+                   "budget", "routing.budget_usd", "insufficient_budget")

@@ -1,0 +1,41 @@
+"""RouteBalance: every request to the instance with the best Eq. 1 score (policies/routebalance/assign.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gateway.core.policy import Policy, PolicyContext, PolicyEntry
+from gateway.core.request import Decision, Estimates, RouteRequest
+from gateway.core.view import PoolView
+from gateway.policies.routebalance.assign import RouteBalanceOptions, TpotFn, assign_batch
+
+
+class RouteBalance(Policy):
+    name = "routebalance"
+    needs_estimates = True
+
+    def __init__(self, options: RouteBalanceOptions, tpot: TpotFn | None):
+        self.options = options
+        self.tpot = tpot  # the TPOT heads; None falls back to the static prior
+        self.rng = np.random.default_rng(options.seed)  # breaks exact ties: a run repeats, load spreads
+
+    def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
+        if estimates is None:
+            raise ValueError("routebalance needs the batch's estimates")
+        return assign_batch(batch, estimates, view, self.options, self.tpot, self.rng)
+
+    def compute_s(self, batch_size: int, cost: Any) -> float:
+        return cost.score_s(batch_size, self.options.uses_heads)
+
+
+def build(context: PolicyContext) -> RouteBalance:
+    est = context.estimators
+    return RouteBalance(context.options("routebalance"), est.heads.tpot if est is not None else None)
+
+
+OPTIONS = {"routebalance": RouteBalanceOptions}
+ENTRIES = (PolicyEntry("routebalance", build, "quality, latency and cost priced together per instance (Eq. 1)",
+                       needs_estimates=True),)

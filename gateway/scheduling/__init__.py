@@ -1,1 +1,0 @@
-"""Scheduling: the policy interface, the instance view, and the policies."""

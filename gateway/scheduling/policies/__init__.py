@@ -1,1 +1,0 @@
-"""Routing policies, one module each, found by name in `registry`."""

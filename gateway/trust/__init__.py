@@ -1,1 +1,0 @@
-"""Trust: API keys, anonymous access, per-key spend limits and request rates."""
