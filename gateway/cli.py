@@ -104,6 +104,7 @@ def workload_lengths(cfg):
     is answered at its labelled length for the model that serves it."""
     from gateway.core.engine.profiles import arch_for
     from gateway.lab.emulator.outputs import OutputLengths
+    from gateway.lab.emulator.settings import emulator_of
     from gateway.lab.sim.evalset import EVAL_PROMPTS
     from gateway.lab.workload.synthetic import generate
 
@@ -111,7 +112,7 @@ def workload_lengths(cfg):
     means = {i.model: arch_for(i.model).mean_output_tokens for i in cfg.instances}
     # Kinds and scores too: a mixture-of-experts instance routes a known prompt's tokens to its kind's
     # experts, and logprobs follow the model's labelled quality on the prompt.
-    return OutputLengths.from_records(means, records, seed=cfg.emulator.seed)
+    return OutputLengths.from_records(means, records, seed=emulator_of(cfg).seed)
 
 
 async def start_emulator(store: ConfigStore):
@@ -135,18 +136,23 @@ async def start_emulator(store: ConfigStore):
     return pool
 
 
-def emulator_ports(first: int | None):
-    """The config adjusted so that its loopback instances listen on first, first + 1, ... (None: as written)."""
-    if first is None:
-        return None
+def emulated(first_port: int | None):
+    """What `emulate` and `up` do to every config they load: check the emulator's tables, and move the
+    loopback instances to first_port, first_port + 1, ... (None: where their urls say)."""
     from gateway.lab.emulator.server import moved_ports
+    from gateway.lab.emulator.settings import checked
 
-    return lambda config: moved_ports(config, first)
+    def adjust(config):
+        config = checked(config)
+        return config if first_port is None else moved_ports(config, first_port)
+
+    return adjust
 
 
 async def run(args) -> int:
     try:
-        store = ConfigStore(args.config, adjust=emulator_ports(getattr(args, "emulator_port", None)))
+        adjust = emulated(args.emulator_port) if args.command in ("emulate", "up") else None
+        store = ConfigStore(args.config, adjust=adjust)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

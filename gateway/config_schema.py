@@ -120,8 +120,19 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _frozen(value: Any) -> Any:
+    """A TOML value made immutable: tables as read-only mappings, arrays as tuples."""
+    if isinstance(value, dict):
+        return types.MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:  # a value that whoever reads it checks (a lab table: gateway/lab/emulator/settings.py)
+        return _frozen(value)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build_section(tp, value, path)
     if origin in (typing.Union, types.UnionType):  # X | None; TOML has no null

@@ -15,7 +15,8 @@ last healthy instance of a model. The emulator follows the file's reloads
 
 Meanwhile it sends Poisson arrivals of good requests at --rate (chat and
 completions, half streamed with usage, `auto` and each pool model, held-out
-prompts) and, every --bad-every seconds, the next kind of bad traffic:
+prompts, each with max_tokens = --max-tokens, so a run's verdict does not
+depend on which prompts it drew) and, every --bad-every seconds, the next kind of bad traffic:
 malformed JSON, wrong types, JSON nested 300 and 1,010 levels deep, a body over
 `max_body_bytes`, a non-JSON content type, unknown models and paths, a ~900 kB
 prompt, a slow body (part, a 2 s pause, the rest), a client that disconnects
@@ -26,10 +27,13 @@ Each request is classified:
                    a stream with content, a usage chunk and [DONE]
   failed properly  a 4xx/5xx (not 500) with an OpenAI error body, or a stream
                    that ends with an error event
+  slow             a whole answer still arriving after --deadline (bytes kept
+                   coming: a long answer on a slow or stalled instance, not a
+                   hang); reported with its duration and tokens, not lost
   lost             anything else: a 200 that is not a success (a stream cut
                    without an error event, no choices), a 500, a malformed error
-                   body, a reset or closed connection, a hang (no answer within
-                   --timeout)
+                   body, a reset or closed connection, a hang (no byte for
+                   --timeout seconds)
 
 Prints a table (kind of traffic x sent, succeeded, failed properly, lost) and
 exits 1 if anything was lost or the good traffic's success rate is below
@@ -267,7 +271,12 @@ def add_stack_arguments(ap: argparse.ArgumentParser, concurrency: int) -> None:
     ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"routing policy (default {DEFAULT_POLICY})")
     ap.add_argument("--models-dir", type=Path,
                     help="estimators directory (default: the config's; a policy that needs them builds them there)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="deadline of every request, seconds")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="a request that receives no byte for this long is lost (a hang), seconds")
+    ap.add_argument("--deadline", type=float, default=300.0,
+                    help="a request still receiving its answer after this long is stopped and reported slow")
+    ap.add_argument("--max-tokens", type=int, default=256,
+                    help="max_tokens of every good request (bounds how long an answer may rightly take)")
     ap.add_argument("--concurrency", type=int, default=concurrency, help="requests in flight at most")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (config, log) even when all went well")
@@ -358,13 +367,13 @@ def scrape_metrics(root: str) -> dict[str, float]:
 
 # ---- one request and its classification --------------------------------------------------------------
 
-OK, FAILED, LOST = "succeeded", "failed properly", "lost"
+OK, FAILED, SLOW, LOST = "succeeded", "failed properly", "slow", "lost"
 
 
 @dataclass
 class Outcome:
     kind: str
-    result: str  # OK, FAILED or LOST
+    result: str  # OK, FAILED, SLOW or LOST
     status: str  # HTTP status, or what happened instead (timeout, reset, ...)
     reason: str = ""
     at_s: float = 0.0
@@ -372,6 +381,7 @@ class Outcome:
     instance: str = ""
     excerpt: str = ""
     expect: str = "either"  # "ok", "error" or "either": what a correct gateway does with this request
+    tokens: int = 0  # answer pieces (stream content events) seen, for a slow answer's report
 
 
 def openai_error(obj) -> bool:
@@ -423,6 +433,7 @@ class StreamJudge:
 
     def __init__(self):
         self.buf = b""
+        self.pieces = 0  # content events
         self.done = self.content = self.usage = False
         self.error: object = None
         self.after_done = 0
@@ -454,6 +465,7 @@ class StreamJudge:
             if isinstance(choice, dict):
                 piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
                 self.content |= bool(piece)
+                self.pieces += bool(piece)
         if isinstance(obj.get("usage"), dict) and isinstance(obj["usage"].get("completion_tokens"), int):
             self.usage = True
 
@@ -475,22 +487,49 @@ class StreamJudge:
         return OK, ""
 
 
+class _Idle(Exception):
+    """No byte arrived within the idle bound."""
+
+
+async def _within(awaitable, idle_s: float):
+    try:
+        return await asyncio.wait_for(awaitable, idle_s)
+    except TimeoutError:
+        raise _Idle from None
+
+
+async def _next_chunk(chunks) -> bytes | None:
+    """The next chunk of a response body, None at its end."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
 async def send(client: httpx.AsyncClient, kind: str, method: str, path: str, *, content=None,
                headers: dict | None = None, stream: bool = False, chat: bool = True, timeout: float = 60.0,
-               disconnect: bool = False, expect: str = "either", t0: float = 0.0) -> Outcome:
-    """One request with a hard deadline; `disconnect` hangs up after the first content event."""
+               deadline: float | None = None, disconnect: bool = False, expect: str = "either",
+               t0: float = 0.0) -> Outcome:
+    """One request: lost if no byte comes for `timeout` seconds (a hang: the head, or the body stalls), slow
+    if its answer is still arriving after `deadline` (default: 5 x timeout); `disconnect` hangs up after the
+    first content event."""
     start = time.monotonic()
     out = Outcome(kind, LOST, "?", at_s=start - t0, expect=expect)
+    deadline = 5 * timeout if deadline is None else deadline
+    judge = StreamJudge()
     try:
-        async with asyncio.timeout(timeout):
-            async with client.stream(method, path, content=content, headers=headers) as resp:
+        async with asyncio.timeout(deadline):
+            request = client.build_request(method, path, content=content, headers=headers)
+            resp = await _within(client.send(request, stream=True), timeout)
+            try:
                 out.status = str(resp.status_code)
                 out.instance = resp.headers.get("x-route-instance", "")
                 is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                chunks = resp.aiter_bytes()
                 if resp.status_code == 200 and stream and is_sse:
-                    judge = StreamJudge()
-                    async for chunk in resp.aiter_bytes():
+                    while (chunk := await _within(_next_chunk(chunks), timeout)) is not None:
                         judge.feed(chunk)
+                        out.tokens = judge.pieces
                         if disconnect and judge.content:
                             out.result, out.reason = OK, "hung up after the first content"
                             return out
@@ -502,7 +541,10 @@ async def send(client: httpx.AsyncClient, kind: str, method: str, path: str, *, 
                     if out.result != OK:
                         out.excerpt = (judge.buf[-200:] or b"").decode(errors="replace")
                     return out
-                body = await resp.aread()
+                parts = []
+                while (chunk := await _within(_next_chunk(chunks), timeout)) is not None:
+                    parts.append(chunk)
+                body = b"".join(parts)
                 out.excerpt = body[:300].decode(errors="replace")
                 if resp.status_code == 200:
                     out.result, out.reason = ((LOST, "200 stream that is not SSE") if stream
@@ -510,8 +552,13 @@ async def send(client: httpx.AsyncClient, kind: str, method: str, path: str, *, 
                 else:
                     out.result, out.reason = judge_error(resp.status_code, body)
                 return out
+            finally:
+                await resp.aclose()
+    except _Idle:
+        out.status, out.reason = "timeout", f"hang: no byte for {timeout:g} s"
     except TimeoutError:
-        out.status, out.reason = "timeout", f"hang: no whole answer within {timeout:g} s"
+        out.result, out.status = SLOW, "slow"
+        out.reason = f"answer still arriving after {deadline:g} s ({out.tokens} content events so far)"
     except httpx.TimeoutException as e:
         out.status, out.reason = "timeout", f"hang: {e.__class__.__name__}"
     except httpx.ConnectError as e:
@@ -537,17 +584,18 @@ def chat_body(model: str, prompt: str, stream: bool = False, **extra) -> dict:
 GOOD_KINDS = ("chat", "chat stream", "completion", "completion stream")
 
 
-async def good_request(client, kind: str, model: str, prompt: str, timeout: float, t0: float) -> Outcome:
+async def good_request(client, kind: str, model: str, prompt: str, timeout: float, t0: float,
+                       max_tokens: int = 256, deadline: float | None = None) -> Outcome:
     chat, stream = kind.startswith("chat"), kind.endswith("stream")
     if chat:
-        body = chat_body(model, prompt, stream)
+        body = chat_body(model, prompt, stream, max_tokens=max_tokens)
     else:
-        body = {"model": model, "prompt": prompt, "temperature": 0, "stream": stream}
+        body = {"model": model, "prompt": prompt, "temperature": 0, "stream": stream, "max_tokens": max_tokens}
         if stream:
             body["stream_options"] = {"include_usage": True}
     return await send(client, kind, "POST", "/v1/chat/completions" if chat else "/v1/completions",
                       content=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                      stream=stream, chat=chat, timeout=timeout, expect="ok", t0=t0)
+                      stream=stream, chat=chat, timeout=timeout, deadline=deadline, expect="ok", t0=t0)
 
 
 # ---- bad traffic ------------------------------------------------------------------------------------
@@ -779,22 +827,22 @@ class Tally:
     def add(self, o: Outcome) -> None:
         self.outcomes.append(o)
 
-    def rows(self, kinds) -> list[tuple[str, int, int, int, int, str]]:
+    def rows(self, kinds) -> list[tuple[str, int, int, int, int, int, str]]:
         rows = []
         for kind in kinds:
             mine = [o for o in self.outcomes if o.kind == kind]
             c = Counter(o.result for o in mine)
             statuses = Counter(o.status for o in mine)
             shown = " ".join(f"{s}x{n}" for s, n in sorted(statuses.items(), key=lambda x: (-x[1], x[0])))
-            rows.append((kind, len(mine), c[OK], c[FAILED], c[LOST], shown))
+            rows.append((kind, len(mine), c[OK], c[FAILED], c[SLOW], c[LOST], shown))
         return rows
 
 
 def format_table(rows) -> str:
-    head = f"{'traffic':<26} {'sent':>6} {'succeeded':>10} {'failed properly':>16} {'lost':>6}  statuses"
+    head = f"{'traffic':<26} {'sent':>6} {'succeeded':>10} {'failed properly':>16} {'slow':>5} {'lost':>6}  statuses"
     lines = [head, "-" * len(head)]
-    for kind, sent, ok, failed, lost, statuses in rows:
-        lines.append(f"{kind:<26} {sent:>6} {ok:>10} {failed:>16} {lost:>6}  {statuses}")
+    for kind, sent, ok, failed, slow, lost, statuses in rows:
+        lines.append(f"{kind:<26} {sent:>6} {ok:>10} {failed:>16} {slow:>5} {lost:>6}  {statuses}")
     return "\n".join(lines)
 
 
@@ -845,7 +893,8 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
                     return
                 kind, model, prompt = GOOD_KINDS[k % 4], rng.choice(models), prompts[k % len(prompts)]
                 await spawn(tasks, sem, kind, lambda kind=kind, model=model, prompt=prompt:  # noqa: B023
-                            good_request(good_client, kind, model, prompt, args.timeout, t0), tally)
+                            good_request(good_client, kind, model, prompt, args.timeout, t0, args.max_tokens,
+                                         args.deadline), tally)
 
         async def bad_traffic() -> None:
             sem = asyncio.Semaphore(16)
@@ -877,7 +926,7 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
             await asyncio.gather(*drivers)
             await injector
             if tasks:  # every request has its own deadline; this is a backstop
-                await asyncio.wait(set(tasks), timeout=args.timeout + 10)
+                await asyncio.wait(set(tasks), timeout=args.deadline + 10)
             for task in list(tasks):
                 task.cancel()
             if tasks:
@@ -890,7 +939,8 @@ async def chaos(args, stack: Stack, prompts: list[str]) -> tuple[Tally, Faults, 
 
         # After the run: every instance restored; each model and `auto` must answer again.
         await asyncio.sleep(1.0)
-        after = await asyncio.gather(*(good_request(good_client, "chat", model, prompts[k], args.timeout, t0)
+        after = await asyncio.gather(*(good_request(good_client, "chat", model, prompts[k], args.timeout, t0,
+                                                    args.max_tokens, args.deadline)
                                        for model in models for k in range(3)))
         for o in after:
             o.kind = "after restore"
@@ -920,7 +970,8 @@ def main() -> int:
     print(f"gateway {stack.root}, {len(data['instances'])} emulated instances, policy {args.policy}; "
           f"{args.duration:g} s at {args.rate:g} req/s good + 1 bad request per {args.bad_every:g} s; "
           f"a fault every {args.fault_every:g} s held {args.fault_hold:g} s (stall {args.stall_ms:g} ms), "
-          f"at most {args.max_faulted} at once; every request times out after {args.timeout:g} s", flush=True)
+          f"at most {args.max_faulted} at once; a request is lost after {args.timeout:g} s without a byte, slow "
+          f"after {args.deadline:g} s; good requests ask for at most {args.max_tokens} tokens", flush=True)
     try:
         prompts = held_out_prompts(config, 1000)
         took = stack.start(ready_timeout_s=600)
@@ -929,7 +980,7 @@ def main() -> int:
               flush=True)
         started = time.monotonic()
         tally, faults, health = asyncio.run(
-            asyncio.wait_for(chaos(args, stack, prompts), timeout=args.duration + 2 * args.timeout + 60))
+            asyncio.wait_for(chaos(args, stack, prompts), timeout=args.duration + 2 * args.deadline + 60))
         wall = time.monotonic() - started
         after = proc_sample(stack.pid)
         metrics = scrape_metrics(stack.root)
@@ -950,16 +1001,21 @@ def main() -> int:
     cut_all = [o for o in tally.outcomes if o.result == FAILED and faults.killed_during(
         o.instance or failed_instance(o.reason), o.at_s, o.at_s + o.elapsed_s)]
     cut = [o for o in cut_all if o.kind in good_kinds]
+    slow = [o for o in tally.outcomes if o.result == SLOW]
+    n_slow_good = sum(o.kind in good_kinds for o in slow)
     print(f"\ngood traffic: {len(good)} sent ({len(good) / args.duration:.1f} req/s of the {args.rate:g} asked), "
           f"{n_ok} succeeded ({rate:.2%}), "
-          f"{sum(o.result == FAILED for o in good)} failed properly, {sum(o.result == LOST for o in good)} lost")
-    adjusted = n_ok / (len(good) - len(cut)) if len(good) > len(cut) else 0.0
+          f"{sum(o.result == FAILED for o in good)} failed properly, {n_slow_good} slow, "
+          f"{sum(o.result == LOST for o in good)} lost")
+    # Slow answers are whole answers still arriving (reported below), not failures of the gateway.
+    judged = len(good) - len(cut) - n_slow_good
+    adjusted = n_ok / judged if judged > 0 else 0.0
     if cut:
         streams = sum(o.kind.endswith("stream") for o in cut)
         print(f"  {len(cut)} of the failed were on an instance killed while it answered them: {streams} streams "
               f"past their first byte (no failover is possible then: an error event ends them), "
               f"{len(cut) - streams} non-streamed whose last allowed attempt (upstream.retries) was on a killed "
-              f"instance; without those {adjusted:.2%} succeeded")
+              f"instance; without those (and the slow) {adjusted:.2%} succeeded")
     print(f"all traffic: {len(tally.outcomes)} requests, {n_lost} lost")
     print(f"faults: {faults.counts['down']} kills, {faults.counts['stall']} stalls, {faults.counts['error']} "
           f"error phases, each restored; port closed/reopened within "
@@ -976,12 +1032,13 @@ def main() -> int:
     unexpected = [o for o in tally.outcomes if o.result != LOST and o.expect != "either"
                   and (o.result == OK) != (o.expect == "ok") and o not in cut_all]
     print_outcomes("LOST", lost, 24)
+    print_outcomes("SLOW (bytes still coming: reported, not lost)", slow, 24)
     print_outcomes("unexpected (not lost, but not what a correct gateway answers)", unexpected, 24)
     failed = bool(lost) or adjusted < args.min_success
     close_workdir(workdir, args.keep or failed or tracebacks > 0)
     verdict = "PASS" if not failed else "FAIL"
-    print(f"\n{verdict}: {n_lost} lost; good traffic {rate:.2%} succeeded, {adjusted:.2%} without the requests "
-          f"cut by a kill (min {args.min_success:.0%})"
+    print(f"\n{verdict}: {n_lost} lost, {len(slow)} slow; good traffic {rate:.2%} succeeded, {adjusted:.2%} without "
+          f"the requests cut by a kill and the slow (min {args.min_success:.0%})"
           + (f"; {tracebacks} tracebacks in the stack log" if tracebacks else ""))
     return 1 if failed else 0
 

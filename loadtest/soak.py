@@ -33,6 +33,7 @@ from chaos import (
     FAILED,
     LOST,
     OK,
+    SLOW,
     Stack,
     Tally,
     add_stack_arguments,
@@ -84,7 +85,8 @@ async def soak(args, stack: Stack, prompts: list[str]) -> tuple[Tally, list[dict
                     return
                 kind, prompt = KINDS[k % 2], prompts[k % len(prompts)]
                 await spawn(tasks, sem, kind, lambda kind=kind, prompt=prompt:  # noqa: B023
-                            good_request(client, kind, "auto", prompt, args.timeout, t0), tally)
+                            good_request(client, kind, "auto", prompt, args.timeout, t0, args.max_tokens,
+                                         args.deadline), tally)
 
         async def sampler() -> None:
             for k in range(int(duration / args.sample_every) + 2):
@@ -99,7 +101,7 @@ async def soak(args, stack: Stack, prompts: list[str]) -> tuple[Tally, list[dict
         try:
             await asyncio.gather(driver, watcher)
             if tasks:  # every request has its own deadline; this is a backstop
-                await asyncio.wait(set(tasks), timeout=args.timeout + 10)
+                await asyncio.wait(set(tasks), timeout=args.deadline + 10)
             for task in list(tasks):
                 task.cancel()
             if tasks:
@@ -137,7 +139,7 @@ def main() -> int:
         print(f"stack ready in {took:.1f} s (pid {stack.pid}); samples every {args.sample_every:g} s:", flush=True)
         started = time.monotonic()
         tally, samples, drained = asyncio.run(asyncio.wait_for(
-            soak(args, stack, prompts), timeout=args.minutes * 60 + 2 * args.timeout + 60))
+            soak(args, stack, prompts), timeout=args.minutes * 60 + 2 * args.deadline + 60))
         wall = time.monotonic() - started
         metrics = scrape_metrics(stack.root)
     except BaseException:
@@ -163,10 +165,11 @@ def main() -> int:
     n_ok = sum(o.result == OK for o in outcomes)
     n_failed = sum(o.result == FAILED for o in outcomes)
     n_lost = sum(o.result == LOST for o in outcomes)
+    n_slow = sum(o.result == SLOW for o in outcomes)
     elapsed = sorted(o.elapsed_s for o in outcomes if o.result == OK)
     p = (lambda q: elapsed[min(len(elapsed) - 1, int(q * len(elapsed)))]) if elapsed else (lambda q: 0.0)
     print(f"\nrequests: {len(outcomes)} sent ({len(outcomes) / (args.minutes * 60):.1f} req/s), {n_ok} succeeded "
-          f"({n_ok / max(len(outcomes), 1):.2%}), {n_failed} failed properly, {n_lost} lost; "
+          f"({n_ok / max(len(outcomes), 1):.2%}), {n_failed} failed properly, {n_slow} slow, {n_lost} lost; "
           f"E2E of the successes p50 {p(0.5):.2f} s, p99 {p(0.99):.2f} s")
     print(f"process (gateway + emulator, one process, pid {stack.pid}):")
     print(f"  {'':<22} {'RSS MB':>8} {'fds':>5} {'threads':>8}")
@@ -179,6 +182,7 @@ def main() -> int:
           f"trend after warm-up {slope:+.1f} MB per 10 min; peak RSS (VmHWM) {drained['hwm_mb']:.1f} MB")
     tracebacks = report_stack(stack, metrics)
     print_outcomes("LOST", [o for o in outcomes if o.result == LOST], 12)
+    print_outcomes("SLOW (bytes still coming: reported, not lost)", [o for o in outcomes if o.result == SLOW], 12)
     failed = growth > args.max_growth or n_lost > 0
     close_workdir(workdir, failed or args.keep or tracebacks > 0)
     print(f"\n{'FAIL' if failed else 'PASS'}: RSS growth {growth:+.1f}% (limit {args.max_growth:g}%), "

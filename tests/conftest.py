@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvloop
 
-from gateway.cli import start_emulator, start_gateway
+from gateway.cli import emulated, start_emulator, start_gateway
 from gateway.config.store import ConfigStore, default_config_path, load_config
 from gateway.estimators.bundle import Estimators
 from gateway.lab.sim.arrivals import ArrivalSpec
@@ -170,7 +170,8 @@ class Stack:
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.store = ConfigStore(config_path)
+        # As `up` loads it (the emulator's tables checked) when this stack emulates, as `serve` otherwise.
+        self.store = ConfigStore(config_path, adjust=emulated(None) if emulate else None)
         self.pool, (self.gateway, self.runners) = self.call(self._start())
         server = self.store.current.server
         self.base_url = f"http://{server.host}:{server.port}/v1"

@@ -79,8 +79,11 @@ def test_default_file_spells_out_the_code_defaults():
     # so the documentation in the file cannot drift from the code.
     written = load_config(default_config_path())
     implied = parse_config({"instances": [minimal_instance()]})
-    for section in ("server", "upstream", "scheduler", "batching", "telemetry", "emulator"):
+    for section in ("server", "upstream", "scheduler", "batching", "telemetry"):
         assert getattr(written, section) == getattr(implied, section), section
+    from gateway.lab.emulator.settings import emulator_of
+
+    assert emulator_of(written) == emulator_of(implied)  # the emulator's table, read by the lab
     assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route", "qlm", "edf", "qos",
                                      "qos_rl", "eldr"}
     for table in written.policies:
@@ -142,7 +145,10 @@ def test_optional_fields_and_inference():
     inst = parse_config({"instances": [minimal_instance(url="http://h:1/")]}).instances[0]
     assert inst.url == "http://h:1"  # trailing slash dropped, so callers append paths
     assert inst.gpu_memory_gb == 24.0  # read from "A30-24GB"
-    assert inst.faults.down is False
+    assert dict(inst.faults) == {}  # the emulator's table, not read by the serving side
+    from gateway.lab.emulator.settings import faults_of
+
+    assert faults_of(parse_config({"instances": [minimal_instance()]}), 0).down is False
     cfg = parse_config({"server": {"admin_token": "s3cret"}, "instances": [minimal_instance()]})
     assert cfg.server.admin_token == "s3cret"
     assert parse_config({"instances": [minimal_instance()]}).server.admin_token is None
@@ -171,9 +177,20 @@ def test_unknown_key_nested():
     assert err.key == "instances[3].pricee_input"
     assert "instances[3].pricee_input: unknown key" in str(err)
 
+    # The emulator's tables are checked by `emulate` and `up` (the serving side keeps them unread).
+    from gateway.lab.emulator.settings import checked
+
     data = default_data()
     data["instances"][0]["faults"]["eror_rate"] = 0.1
-    assert error_of(data).key == "instances[0].faults.eror_rate"
+    with pytest.raises(ConfigError) as e:
+        checked(parse_config(data, "test.toml"))
+    assert e.value.key == "instances[0].faults.eror_rate"
+    for bad in (-1, float("nan")):
+        data = default_data()
+        data["emulator"]["tick_s"] = bad
+        with pytest.raises(ConfigError) as e:
+            checked(parse_config(data, "test.toml"))
+        assert e.value.key == "emulator.tick_s"
 
     data = default_data()
     data["scheduler"]["presets"]["cost"]["qualty"] = 1
@@ -239,7 +256,7 @@ def test_out_of_range_instance_values(key, value, path):
     ("upstream", "connect_timeout_s", 0.0),
     ("upstream", "retries", -1),
     ("telemetry", "stale_after_s", 0.5),  # not above scrape_interval_s
-    ("emulator", "tick_s", float("nan")),
+    ("server", "shutdown_timeout_s", 0.0),
 ])
 def test_out_of_range_section_values(section, key, value):
     data = default_data()

@@ -86,7 +86,7 @@ def edf():
 
 def built_policy(stack) -> EarliestDeadlineFirst:
     cfg = stack.store.current
-    return stack.gateway.scheduler.core.policies(cfg).get(NAME)
+    return stack.gateway.scheduler.scheduling_loop.policies(cfg).get(NAME)
 
 
 def test_a_policy_registered_outside_the_package_routes_live_requests(edf, tmp_path):
@@ -107,7 +107,8 @@ def test_a_policy_registered_outside_the_package_routes_live_requests(edf, tmp_p
             blocker = pool.submit(client.completions.create, model="auto", prompt="blocker", max_tokens=4)
             wait_for(lambda: policy.gate is None, what="the worker to take the blocking batch")
             waiting = [pool.submit(client.completions.create, model="auto", prompt=p, max_tokens=4) for p in prompts]
-            wait_for(lambda: len(stack.gateway.scheduler.core.queue) == len(prompts), what="the requests to queue")
+            queue = stack.gateway.scheduler.scheduling_loop.queue
+            wait_for(lambda: len(queue) == len(prompts), what="the requests to queue")
             gate.set()
             answers = [f.result(30) for f in waiting]
             blocker.result(30)
@@ -154,23 +155,23 @@ def test_hold_keeps_decided_requests_in_the_gateway_until_the_policy_lets_go(bui
         cfg = built[0]
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="hold_test"))
         pool_state = PoolState()
-        core = SchedulingLoop(registry, pool_state, max_queue=8, resolve=lambda _cfg, _model: (0,))
+        scheduling = SchedulingLoop(registry, pool_state, max_queue=8, resolve=lambda _cfg, _model: (0,))
         tickets = [Ticket(RouteRequest((0,), f"p{k}", 10, 16, (1.0, 0.0, 0.0), policy="hold_test"), "auto", True, cfg)
                    for k in range(3)]
         for k, t in enumerate(tickets):
-            assert core.submit(t, float(k))
-        batch, failed = core.take(cfg, core.limit(cfg, 3.0), 3.0)
+            assert scheduling.submit(t, float(k))
+        batch, failed = scheduling.take(cfg, scheduling.limit(cfg, 3.0), 3.0)
         assert batch == tickets and not failed
-        ready = core.settle(batch, core.decide(cfg, batch, core.view(cfg, 3.0), estimate=None), 3.0)
+        ready = scheduling.settle(batch, scheduling.decide(cfg, batch, scheduling.view(cfg, 3.0), estimate=None), 3.0)
         first = cfg.instances[0].name
-        assert ready == tickets[:1] and core.held == tickets[1:]
+        assert ready == tickets[:1] and scheduling.held == tickets[1:]
         assert set(pool_state.of(first).in_flight) == {tickets[0]}  # held requests are not on the instance
-        assert core.release_held(3.5) == []
-        core.complete(tickets[0], Completion(True, 0, 16), 4.0)
-        assert core.release_held(4.0) == tickets[1:2] and core.held == tickets[2:]
+        assert scheduling.release_held(3.5) == []
+        scheduling.complete(tickets[0], Completion(True, 0, 16), 4.0)
+        assert scheduling.release_held(4.0) == tickets[1:2] and scheduling.held == tickets[2:]
         assert set(pool_state.of(first).in_flight) == {tickets[1]}
-        core.withdraw(tickets[2], 4.5)  # its client left while held
-        assert core.held == [] and core.release_held(5.0) == []
+        scheduling.withdraw(tickets[2], 4.5)  # its client left while held
+        assert scheduling.held == [] and scheduling.release_held(5.0) == []
     finally:
         registry.unregister("hold_test")
 
@@ -229,15 +230,15 @@ def test_a_faulty_policy_costs_only_its_own_requests_and_never_stops_the_loop(bu
     try:
         cfg = built[0]
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="faulty_test"))
-        core = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
+        scheduling = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
         tickets = [Ticket(RouteRequest((0, 1), f"p{k}", 10, 16, (1.0, 0.0, 0.0), policy=name), "auto", True, cfg)
                    for k, name in enumerate(["faulty_test", "passthrough+round_robin", "faulty_test"])]
         for k, t in enumerate(tickets):
-            core.submit(t, float(k))
-        batch, _ = core.take(cfg, None, 3.0)
+            scheduling.submit(t, float(k))
+        batch, _ = scheduling.take(cfg, None, 3.0)
         assert batch == tickets  # `order` named nobody (or raised): first come, first served
-        back = core.settle(batch, core.decide(cfg, batch, core.view(cfg, 3.0), estimate=None), 3.0)
-        assert back == tickets and not core.held
+        back = scheduling.settle(batch, scheduling.decide(cfg, batch, scheduling.view(cfg, 3.0), estimate=None), 3.0)
+        assert back == tickets and not scheduling.held
         mine, other = [tickets[0], tickets[2]], tickets[1]
         assert other.decision.refused is None and other.decision.ranked  # the other policy is untouched
         for t in mine:
@@ -246,8 +247,8 @@ def test_a_faulty_policy_costs_only_its_own_requests_and_never_stops_the_loop(bu
             else:
                 assert t.decision.ranked == () and t.decision.refused.status == status
         for t in tickets:
-            core.complete(t, Completion(t.decision.refused is None, 0), 4.0)
-        assert not any(core.pool_state.of(i.name).in_flight for i in cfg.instances)  # nothing left booked
+            scheduling.complete(t, Completion(t.decision.refused is None, 0), 4.0)
+        assert not any(scheduling.pool_state.of(i.name).in_flight for i in cfg.instances)  # nothing left booked
         if "on_complete" not in broken:
             assert faulty.completed == [status is None] * 2  # refused requests end in on_complete too
     finally:
@@ -275,19 +276,19 @@ def test_every_policy_sees_answer_lengths_bounded_by_the_request_max_tokens(buil
     try:
         cfg = built[0]
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy="recording_test"))
-        core = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
+        scheduling = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1))
         tickets = [Ticket(RouteRequest((0, 1), f"p{k}", 10, limit, (1.0, 0.0, 0.0), policy="recording_test",
                                        to_max_tokens=exact), "auto", False, cfg)
                    for k, (limit, exact) in enumerate([(20, False), (None, False), (500, False), (500, True)])]
         for t in tickets:
-            core.submit(t, 0.0)
-        batch, _ = core.take(cfg, None, 1.0)
+            scheduling.submit(t, 0.0)
+        batch, _ = scheduling.take(cfg, None, 1.0)
         n = len(cfg.instances)
 
         def estimate(asked):
             return Estimates(np.full((len(asked), n), 0.5), np.full((len(asked), n), 300.0))
 
-        core.decide(cfg, batch, core.view(cfg, 1.0), estimate=estimate)
+        scheduling.decide(cfg, batch, scheduling.view(cfg, 1.0), estimate=estimate)
         [lengths] = recording.lengths
         assert (lengths[0] == 20).all() and (lengths[1] == 300).all() and (lengths[2] == 300).all()
         assert (lengths[3] == 500).all()  # it ignores end-of-sequence: it runs to its max_tokens

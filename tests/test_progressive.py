@@ -44,6 +44,7 @@ from gateway.core.progressive_prompts import (
 )
 from gateway.lab.emulator.outputs import OutputLengths
 from gateway.lab.emulator.server import EmulatedPool
+from gateway.lab.emulator.settings import emulator_of
 from gateway.lab.workload.synthetic import generate
 
 M3, M14, M72 = "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-14B-Instruct", "Qwen/Qwen2.5-72B-Instruct"
@@ -60,7 +61,7 @@ class Pool:
         self.cfg = dataclasses.replace(cfg, instances=tuple(first.values()))
         self.records = generate(300, seed=11)
         means = {i.model: arch_for(i.model).mean_output_tokens for i in self.cfg.instances}
-        lengths = OutputLengths.from_records(means, self.records, seed=self.cfg.emulator.seed)
+        lengths = OutputLengths.from_records(means, self.records, seed=emulator_of(self.cfg).seed)
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

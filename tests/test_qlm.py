@@ -161,29 +161,31 @@ def test_a_held_request_takes_one_victim_until_the_pool_view_catches_up():
     cfg = dataclasses.replace(cfg, instances=tuple(i for i in cfg.instances if i.model == FOURTEEN_B)[:1],
                               scheduler=dataclasses.replace(cfg.scheduler, policy="qlm"))
     cfg = cfg.with_options("qlm", slowdown=1.05)  # a cap of 2 running requests
-    core = SchedulingLoop(registry, PoolState(), max_queue=16, resolve=lambda _cfg, _model: (0,), estimators=object())
+    scheduling = SchedulingLoop(registry, PoolState(), max_queue=16, resolve=lambda _cfg, _model: (0,),
+                                estimators=object())
 
     def enter(slo_s: float, now: float, answer_tokens: float) -> list[Ticket]:
         tickets = [Ticket(RouteRequest((0,), "p", 50, 1024, (1 / 3, 1 / 3, 1 / 3), policy="qlm", slo_s=slo_s),
                           "auto", False, cfg, arrived=now) for _ in range(2 if slo_s > 60 else 1)]
         for t in tickets:
-            core.submit(t, now)
-        batch, _ = core.take(cfg, None, now)
-        decided = core.decide(cfg, batch, core.view(cfg, now),
+            scheduling.submit(t, now)
+        batch, _ = scheduling.take(cfg, None, now)
+        decided = scheduling.decide(cfg, batch, scheduling.view(cfg, now),
                               lambda ts: Estimates(np.full((len(ts), 1), 0.5), np.full((len(ts), 1), answer_tokens)))
-        return core.settle(batch, decided, now)
+        return scheduling.settle(batch, decided, now)
 
     jobs = enter(600.0, 0.0, 300.0)  # two batch jobs fill the two slots
     assert len(jobs) == 2
     for t in jobs:
-        core.dispatched(t, next(core.plans(t, 0.0)), 0.0)
+        scheduling.dispatched(t, next(scheduling.plans(t, 0.0)), 0.0)
     # The last scrape saw a request waiting in the instance's own queue: no slot, whatever the count.
-    core.pool_state.of(cfg.instances[0].name).scraped(EngineSnapshot(2, 1, 0.2, 0, 0), 0.9)
-    assert enter(2.0, 1.0, 60.0) == [] and len(core.held) == 1  # a short, tight one waits for a slot ...
-    victims = core.evictions(cfg, 1.0)  # ... that only an eviction frees in time
+    scheduling.pool_state.of(cfg.instances[0].name).scraped(EngineSnapshot(2, 1, 0.2, 0, 0), 0.9)
+    assert enter(2.0, 1.0, 60.0) == [] and len(scheduling.held) == 1  # a short, tight one waits for a slot ...
+    victims = scheduling.evictions(cfg, 1.0)  # ... that only an eviction frees in time
     assert len(victims) == 1 and victims[0] in jobs
-    core.requeue(victims[0], 1.0)
-    assert core.evictions(cfg, 1.01) == []  # the same head, before a scrape shows the freed slot: no second victim
+    scheduling.requeue(victims[0], 1.0)
+    # the same head, before a scrape shows the freed slot: no second victim
+    assert scheduling.evictions(cfg, 1.01) == []
 
 
 # ---- simulated --------------------------------------------------------------------------------

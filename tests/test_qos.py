@@ -185,18 +185,20 @@ def test_a_request_abandoned_while_its_batch_was_decided_leaves_no_trace(two_7b)
     over, so the tracker does not count it as running for the next hour."""
     cfg = dataclasses.replace(two_7b, scheduler=dataclasses.replace(two_7b.scheduler, policy="qos"))
     # The batch's estimates come from the test, so the loop needs no estimators of its own (only some).
-    core = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1), estimators=object())
+    scheduling = SchedulingLoop(registry, PoolState(), max_queue=8, resolve=lambda _cfg, _model: (0, 1),
+                                estimators=object())
     tickets = [Ticket(_request(0.05), "auto", True, cfg) for _ in range(3)]
     for k, t in enumerate(tickets):
-        core.submit(t, float(k))
-    batch, _ = core.take(cfg, None, 3.0)
-    decided = core.decide(cfg, batch, core.view(cfg, 3.0), lambda ts: _estimates([0.6, 0.5], [200, 200], len(ts)))
+        scheduling.submit(t, float(k))
+    batch, _ = scheduling.take(cfg, None, 3.0)
+    decided = scheduling.decide(cfg, batch, scheduling.view(cfg, 3.0),
+                                lambda ts: _estimates([0.6, 0.5], [200, 200], len(ts)))
     policy = decided[0][1]
     assert isinstance(policy, Qos) and len(policy.tracker) == 3
     for ticket, (_, by) in zip(batch, decided, strict=True):
-        core.withdraw(ticket, 3.5)  # what the live scheduler does when the client leaves mid-decision ...
-        core.abandoned(ticket, by, 4.0)  # ... and, once the batch is back, for each such ticket
-    assert len(policy.tracker) == 0 and not core.held
+        scheduling.withdraw(ticket, 3.5)  # what the live scheduler does when the client leaves mid-decision ...
+        scheduling.abandoned(ticket, by, 4.0)  # ... and, once the batch is back, for each such ticket
+    assert len(policy.tracker) == 0 and not scheduling.held
 
 
 def test_the_registry_builds_qos_from_its_table(two_7b):
@@ -249,7 +251,7 @@ def client(stack):
 
 def _qos_policy(stack):
     cfg = stack.store.current
-    return stack.run(lambda: stack.gateway.scheduler.core.policies(cfg).get("qos"))
+    return stack.run(lambda: stack.gateway.scheduler.scheduling_loop.policies(cfg).get("qos"))
 
 
 def test_live_requests_choose_qos_streaming_and_not(client, stack):

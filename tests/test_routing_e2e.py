@@ -158,7 +158,7 @@ def test_a_full_queue_answers_429(tmp_path):
         body = {"model": "auto", "messages": PROMPT, "max_tokens": 2}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, stack.base_url + "/chat/completions", json=body, timeout=30)
-            wait_for(lambda: len(stack.gateway.scheduler.core.queue) == 1, what="the first request to queue")
+            wait_for(lambda: len(stack.gateway.scheduler.scheduling_loop.queue) == 1, what="the first request to queue")
             second = httpx.post(stack.base_url + "/chat/completions", json=body, timeout=30)
             assert second.status_code == 429 and second.headers["Retry-After"]
             assert second.json()["error"]["type"] == "rate_limit_error"
@@ -247,7 +247,7 @@ def test_a_reload_while_a_request_waits_keeps_it_on_its_model(tmp_path):
         body = {"model": MODEL_3B, "messages": PROMPT, "max_tokens": 2}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, stack.base_url + "/chat/completions", json=body, timeout=30)
-            wait_for(lambda: len(stack.gateway.scheduler.core.queue) == 1, what="the request to queue")
+            wait_for(lambda: len(stack.gateway.scheduler.scheduling_loop.queue) == 1, what="the request to queue")
             data = tomllib.loads(path.read_text())
             data["instances"].reverse()  # every instance index now means another instance
             path.write_text(dump_toml(data))
@@ -272,7 +272,7 @@ def test_a_request_not_decided_in_time_is_shed_with_503(tmp_path):
                        json={"model": "auto", "messages": PROMPT, "max_tokens": 2})
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["code"] == "overloaded"
-        assert len(stack.gateway.scheduler.core.queue) == 0  # withdrawn, not left to fire later
+        assert len(stack.gateway.scheduler.scheduling_loop.queue) == 0  # withdrawn, not left to fire later
         assert 'routebalance_rejected_total{reason="overloaded"} 1.0' in httpx.get(stack.root + "/metrics").text
     finally:
         stack.stop()

@@ -204,7 +204,7 @@ def test_both_drivers_of_the_loop_make_the_same_decisions(sim, tmp_path, policy,
         w = live_cfg.weights(preset)
 
         def idle() -> bool:
-            view = stack.run(stack.gateway.scheduler.core.view, live_cfg, stack.call(_now()))
+            view = stack.run(stack.gateway.scheduler.scheduling_loop.view, live_cfg, stack.call(_now()))
             return not view.active.any() and not view.in_flight.any()
 
         live = []

@@ -275,6 +275,37 @@ def test_a_gateway_that_loses_redis_says_so_and_refuses_limited_keys(tmp_path, s
         stack.stop()
 
 
+def test_shutdown_takes_its_bound_with_a_request_in_flight_and_redis_gone(tmp_path, server):
+    """[server].shutdown_timeout_s bounds what requests in flight get at shutdown; closing a link to a Redis
+    that is gone adds a bounded moment, not aiohttp's 60 s graceful default."""
+    stubs = [Stub(), Stub()]
+    [path, _] = replica_configs(tmp_path, stubs, server, 1.0)
+    path.write_text(path.read_text().replace("[server]\n", "[server]\nshutdown_timeout_s = 1.0\n", 1))
+    stack = StubStack(path, stubs)
+    for stub in stubs:
+        stub.mode["delay_s"] = 8.0  # an answer that would outlast the bound
+    c = openai.OpenAI(base_url=stack.base_url, api_key=FREE, max_retries=0, timeout=60)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(c.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=5)
+            wait_for(lambda: sum(len(stub.requests) for stub in stubs) == 1, 10, "the request at its instance")
+            server.stop()
+            started = time.monotonic()
+            async def gateway_stops():  # the gateway alone, not the stubs
+                for runner in stack.runners:
+                    await runner.cleanup()
+
+            stack.call(gateway_stops())
+            took = time.monotonic() - started
+            stack.runners = []
+            with pytest.raises(openai.APIConnectionError):  # cut off at the bound, before its answer came
+                pending.result(10)
+        assert took < 1.0 + 2.0 + 2.0, took  # the bound, then the spend flush and the link's close, each bounded
+    finally:
+        stack.stop()  # the stubs (their slow handlers end first)
+        server.start()
+
+
 def test_the_state_backend_is_checked_in_the_config(tmp_path):
     path = stub_config(tmp_path, [Stub()], state={"backend": "redis", "on_unavailable": "maybe"})
     with pytest.raises(Exception, match="on_unavailable"):

@@ -551,6 +551,12 @@ def config_reference() -> str:
                "the registry lists them. A table left out has its defaults.\n")
     for name, cls in sorted(registry.tables().items()):
         _section(cls, f"[policies.{name}]", f"policies.{name}", f"policies.{name}", out)
+    from gateway.lab.emulator.settings import EmulatorConfig, FaultsConfig
+
+    out.append("\n## The emulator's tables\n\nRead and checked by `routebalance emulate` and `up` only "
+               "(`gateway/lab/emulator/settings.py`); a gateway in front of real servers keeps them unread.\n")
+    _section(EmulatorConfig, "[emulator]", "emulator", "emulator", out)
+    _section(FaultsConfig, "[instances.faults]", "instances.faults", "instances[].faults", out)
     return "\n".join(out)
 
 

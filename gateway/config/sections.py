@@ -29,10 +29,8 @@ __all__ = [
     "BatchRule",
     "BatchingConfig",
     "Config",
-    "EmulatorConfig",
     "ApiKey",
     "AuthConfig",
-    "FaultsConfig",
     "HealthConfig",
     "Instance",
     "MoeConfig",
@@ -96,6 +94,9 @@ class ServerConfig(Section):
     admin_token: str | None = option(None, nonempty=True)
     # 0 turns the file watcher off (reload only on request).
     config_watch_interval_s: float = option(1.0, ge=0)
+    # At shutdown (SIGTERM, Ctrl-C) requests in flight, streams included, get this long to finish; then they
+    # are cut off, and closing the rest (the spend still to write, the Redis link) takes a few seconds more.
+    shutdown_timeout_s: float = option(10.0, gt=0)
 
     def _validate(self) -> None:
         for i, alias in enumerate(self.aliases):
@@ -347,7 +348,7 @@ class EstimatorsConfig(Section):
 
 @section
 class ProgressiveConfig(Section):
-    """ProgressiveConfig mode (PICE, `routing.mode = "progressive"`): the bounds of one request's plan, and when a
+    """Progressive mode (PICE, `routing.mode = "progressive"`): the bounds of one request's plan, and when a
     prompt is better answered whole (core/progressive.py `FallbackRule`)."""
 
     max_points: int = option(8, ge=1, le=16)  # points asked for (and kept) in the sketch
@@ -374,23 +375,8 @@ class ProgressiveConfig(Section):
 
 
 @section
-class EmulatorConfig(Section):
-    tick_s: float = option(0.01, gt=0)
-    seed: int = 0
-
-
-@section
-class FaultsConfig(Section):
-    """EmulatorConfig-only fault knobs; a real vLLM instance ignores them."""
-
-    error_rate: float = option(0.0, ge=0, le=1)
-    added_latency_ms: float = option(0.0, ge=0)
-    down: bool = False
-
-
-@section
 class MoeConfig(Section):
-    """[instances.moe]: the instance serves a mixture-of-experts model. EmulatorConfig and simulator only (a real
+    """[instances.moe]: the instance serves a mixture-of-experts model. Emulator and simulator only (a real
     vLLM ignores it): a decode step's MoE layers cost grows with the union of experts its batch activates,
     and requests of one domain (the prompt's kind) share experts (gateway/core/engine/moe.py)."""
 
@@ -439,7 +425,9 @@ class Instance(Section):
     tpot_prior_ms: float = option(gt=0)
     # Instances naming the same gpu_id time-share one GPU, one model loaded at a time (simulated only).
     gpu_id: str | None = option(None, nonempty=True)
-    faults: FaultsConfig = FaultsConfig()
+    # [instances.faults]: the emulator's fault knobs for this instance; lab code reads and checks them
+    # (gateway/lab/emulator/settings.py), and a gateway in front of a real server never looks at them.
+    faults: Mapping[str, Any] = option(factory=lambda: types.MappingProxyType({}))
     moe: MoeConfig | None = None  # [instances.moe]: a mixture-of-experts model (emulated and simulated instances)
 
     def _validate(self) -> None:
@@ -471,7 +459,8 @@ class Config(Section):
     batching: BatchingConfig = BatchingConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     estimators: EstimatorsConfig = EstimatorsConfig()
-    emulator: EmulatorConfig = EmulatorConfig()
+    # [emulator]: the emulated pool's settings; lab code reads and checks them (gateway/lab/emulator/settings.py).
+    emulator: Mapping[str, Any] = option(factory=lambda: types.MappingProxyType({}))
     progressive: ProgressiveConfig = ProgressiveConfig()
     instances: tuple[Instance, ...] = option()
     # [policies.<table>]: each policy's own options, checked by the section its

@@ -81,7 +81,8 @@ class ConfigStore:
 
     def __init__(self, path: str | os.PathLike[str], adjust: Callable[[Config], Config] | None = None):
         self.path = Path(path)
-        self._adjust = adjust or (lambda config: config)  # what the command line overrides, on every load
+        # What the command adds on every load: its own checks (the emulator's tables) and overrides (ports).
+        self._adjust = adjust or (lambda config: config)
         self._config, self._seen = self._read()
         self._subscribers: list[Callable[[Config], None]] = []
         self.reloads_ok = 0
@@ -90,7 +91,10 @@ class ConfigStore:
 
     def _read(self) -> tuple[Config, tuple[int, int, int] | None]:
         config, stamp = _read(self.path)
-        return self._adjust(config), stamp
+        try:
+            return self._adjust(config), stamp
+        except ConfigError as err:  # a check of the command's own (the emulator's tables): named as the file's
+            raise ConfigError(err.reason, err.key, str(self.path)) from None
 
     @property
     def current(self) -> Config:

@@ -37,6 +37,7 @@ from gateway.core.budget import clamp_max_tokens, token_prices
 from gateway.core.policy import Policy, PolicyCatalog
 from gateway.core.pool_state import PoolState
 from gateway.core.request import Completion, Decision, DispatchPlan, Estimates, Refusal, Ticket
+from gateway.core.settings import CoreConfig
 from gateway.core.view import PoolView
 
 log = logging.getLogger("routebalance.scheduling")
@@ -52,7 +53,7 @@ def _policy_error(hook: str, e: Exception) -> Refusal:
 class PolicySet:
     """The policy objects of one config, each built on first use (a reload builds new ones)."""
 
-    def __init__(self, catalog: PolicyCatalog, config, estimators=None):
+    def __init__(self, catalog: PolicyCatalog, config: CoreConfig, estimators=None):
         self.catalog = catalog
         self.config = config
         self.estimators = estimators
@@ -86,7 +87,7 @@ class SchedulingLoop:
     """Requests from arrival to completion, for one process (live) or one cell (simulated)."""
 
     def __init__(self, catalog: PolicyCatalog, pool_state: PoolState, max_queue: int,
-                 resolve: Callable[[Any, str], tuple[int, ...]], estimators=None):
+                 resolve: Callable[[CoreConfig, str], tuple[int, ...]], estimators=None):
         self.catalog = catalog  # the registry the policies are built from (gateway/policies/registry.py)
         self.pool_state = pool_state
         self.queue: BatchQueue[Ticket] = BatchQueue(max_queue)
@@ -95,7 +96,7 @@ class SchedulingLoop:
         self.held: list[Ticket] = []  # decided, kept in the gateway by their policy's `hold`
         self._policies: PolicySet | None = None
 
-    def policies(self, cfg) -> PolicySet:
+    def policies(self, cfg: CoreConfig) -> PolicySet:
         if self._policies is None or self._policies.config is not cfg:
             self._policies = PolicySet(self.catalog, cfg, self.estimators)
         return self._policies
@@ -120,7 +121,7 @@ class SchedulingLoop:
         self.complete(ticket, Completion(False, None), now)
 
     # ---- batch forming -----------------------------------------------------------
-    def limit(self, cfg, now: float) -> BatchLimit | None:
+    def limit(self, cfg: CoreConfig, now: float) -> BatchLimit | None:
         """The window rule's (size, window) for the pool's state now; None in eager mode."""
         if cfg.batching.mode != "window":
             return None
@@ -135,7 +136,8 @@ class SchedulingLoop:
             return now
         return self.queue.closes_at(limit)
 
-    def take(self, cfg, limit: BatchLimit | None, now: float) -> tuple[list[Ticket], list[tuple[Ticket, Exception]]]:
+    def take(self, cfg: CoreConfig, limit: BatchLimit | None,
+             now: float) -> tuple[list[Ticket], list[tuple[Ticket, Exception]]]:
         """The next batch (never empty while requests wait), in the default policy's order, and the
         requests that failed to re-resolve their candidates under this config (their model left
         the pool with a reload)."""
@@ -162,17 +164,17 @@ class SchedulingLoop:
             batch.append(ticket)
         return batch, failed
 
-    def _current_candidates(self, cfg, ticket: Ticket) -> None:
+    def _current_candidates(self, cfg: CoreConfig, ticket: Ticket) -> None:
         if ticket.config is not cfg:
             ticket.request = dataclasses.replace(ticket.request, candidates=self.resolve(cfg, ticket.model))
             ticket.config = cfg
 
-    def view(self, cfg, now: float) -> PoolView:
+    def view(self, cfg: CoreConfig, now: float) -> PoolView:
         """A working copy of what the pool_state knows of the pool now."""
         return self.pool_state.snapshot(cfg.instances, now, cfg.telemetry.stale_after_s)
 
     # ---- deciding (live: in the worker thread) -----------------------------------
-    def decide(self, cfg, batch: Sequence[Ticket], view: PoolView, estimate: EstimateFn) -> list[Decided]:
+    def decide(self, cfg: CoreConfig, batch: Sequence[Ticket], view: PoolView, estimate: EstimateFn) -> list[Decided]:
         """A decision per ticket: admitted, estimated once for the whole batch, assigned by its policy.
 
         Policies run one after another on the same view, so each sees what the
@@ -271,7 +273,7 @@ class SchedulingLoop:
         return bool(verdict)
 
     # ---- eviction --------------------------------------------------------------
-    def evictions(self, cfg, now: float) -> list[Ticket]:
+    def evictions(self, cfg: CoreConfig, now: float) -> list[Ticket]:
         """Dispatched requests the policies of `cfg` want aborted and held again (see `Policy.evict`):
         only ones booked, of that policy, whose client has seen no byte of the answer."""
         out: list[Ticket] = []

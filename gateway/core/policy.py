@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.core.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
+from gateway.core.settings import CoreConfig
 from gateway.core.view import PoolView
 
 # What a batch's assignment costs a simulated scheduler when a policy says
@@ -115,7 +116,7 @@ class Policy:
 class PolicyContext:
     """What a policy is built from: the config (its own table via `options`) and the estimators."""
 
-    config: Any  # gateway.config.sections.Config
+    config: CoreConfig
     estimators: Any = None  # gateway.estimators.bundle.Estimators, or None when not built
 
     def options(self, table: str) -> Any:
@@ -137,4 +138,4 @@ class PolicyCatalog(Protocol):
 
     def entry(self, name: str) -> PolicyEntry: ...
 
-    def build(self, name: str, config: Any, estimators: Any = None) -> Policy: ...
+    def build(self, name: str, config: CoreConfig, estimators: Any = None) -> Policy: ...

@@ -12,24 +12,14 @@ No clock is read here: every method takes `now`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from gateway.core.budget import price_arrays
+from gateway.core.settings import HealthRules, InstanceSettings
 from gateway.core.view import PoolView, tier_key
-
-
-class HealthRules(Protocol):
-    """When failures cool an instance down, and for how long (the config's [health])."""
-
-    @property
-    def failure_threshold(self) -> int: ...
-    @property
-    def cooldown_s(self) -> float: ...
-    @property
-    def max_cooldown_s(self) -> float: ...
 
 
 @dataclass(slots=True)
@@ -214,7 +204,7 @@ class PoolState:
     def routable(self, name: str, now: float) -> bool:
         return self.of(name).routable(now)
 
-    def shares(self, instances: tuple, now: float) -> dict[str, Share]:
+    def shares(self, instances: Sequence[InstanceSettings], now: float) -> dict[str, Share]:
         """This gateway's share of each instance's work (what a replica publishes)."""
         return {i.name: self.of(i.name).own_share(now, i.tpot_prior_ms / 1000) for i in instances}
 
@@ -234,7 +224,7 @@ class PoolState:
         """A scrape could not connect."""
         self.of(name).health.unreachable(None, now, rules)
 
-    def waiting(self, instances, now: float, stale_after_s: float) -> list[float]:
+    def waiting(self, instances: Sequence[InstanceSettings], now: float, stale_after_s: float) -> list[float]:
         """Requests waiting in each instance's own queue, from fresh scrapes (0 if unknown)."""
         out = []
         for inst in instances:
@@ -242,7 +232,7 @@ class PoolState:
             out.append(s.last.waiting if s.last is not None and s.fresh(now, stale_after_s) else 0.0)
         return out
 
-    def snapshot(self, instances: tuple, now: float, stale_after_s: float) -> PoolView:
+    def snapshot(self, instances: Sequence[InstanceSettings], now: float, stale_after_s: float) -> PoolView:
         states = [self.of(i.name) for i in instances]
         rows = [s.state(now, i.tpot_prior_ms / 1000, stale_after_s, i.max_num_seqs)
                 for s, i in zip(states, instances, strict=True)]

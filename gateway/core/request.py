@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from gateway.core.settings import CoreConfig
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -117,7 +119,7 @@ class Ticket:
     request: RouteRequest
     model: str
     streaming: bool
-    config: Any = field(repr=False)
+    config: CoreConfig = field(repr=False)
     arrived: float = 0.0
     handle: Any = field(default=None, repr=False)
     decision: Decision | None = None

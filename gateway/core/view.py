@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.core.settings import InstanceSettings
+
 # The instance state the scheduler tracks, and its order in a TPOT head's feature row.
 STATE_FEATURES = (
     "running",  # vllm:num_requests_running at the last scrape, or the gateway's own count
@@ -34,7 +36,7 @@ def tier_key(model: str, gpu: str) -> str:
 class PoolView:
     """Per-instance arrays, in config order."""
 
-    instances: tuple  # config.Instance
+    instances: Sequence[InstanceSettings]
     available: np.ndarray  # bool: not known to be down
     running: np.ndarray
     waiting: np.ndarray

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from gateway.core.request import Estimates
+from gateway.core.view import tier_key
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
@@ -44,6 +45,10 @@ class Estimators:
         knn = KnnEstimator.load(models_dir, manifest["knn"])
         heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
                                   {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})
+        headless = sorted({tier_key(i.model, i.gpu) for i in config.instances} - manifest["heads"].keys())
+        if headless:
+            log.warning("no TPOT head for %s in %s: priced with their tpot_prior_ms until `routebalance train "
+                        "--if-stale` fits them (seconds)", ", ".join(headless), models_dir)
         return cls(embedder, knn, heads, manifest, models_dir)
 
     def estimate(self, prompts: list[str]) -> KnnEstimate:

@@ -81,8 +81,27 @@ def open_spend_ledger(cfg: Config) -> SpendLedger:
     return SpendLedger(store)
 
 
-# Shutdown writes the spend not yet written for at most this long.
+# Shutdown writes the spend not yet written for at most this long, closes the Redis link within this long,
+# and gives the background tasks this long to end once cancelled.
 _CLOSE_FLUSH_S = 2.0
+_CLOSE_LINK_S = 2.0
+_CLOSE_TASKS_S = 2.0
+
+
+async def _within(what: str, timeout_s: float, *aws) -> None:
+    """Await `aws` together for at most `timeout_s`, without waiting on a task that ignores its cancellation
+    (asyncio.wait_for would); what is still running then is cancelled and left, and said so."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        log.warning("shutdown: %s did not end within %g s; left to the process's end", what, timeout_s)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("shutdown: %s failed: %r", what, task.exception())
 
 
 class Gateway:
@@ -125,16 +144,18 @@ class Gateway:
         self.scheduler.start()
 
     async def close(self) -> None:
+        """Stop the background work and close the links, each step in bounded time: a step that does not end
+        in time (a Redis client that does not answer its cancellation, say) is left to the process's end."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.scheduler.stop()
+        await _within("stopping the background tasks", _CLOSE_TASKS_S, *self._tasks)
+        await _within("stopping the scheduler", _CLOSE_TASKS_S, self.scheduler.stop())
         if self.session:
-            await self.session.close()
+            await _within("closing the upstream connections", _CLOSE_TASKS_S, self.session.close())
         if self.spend is not None:
-            await self.spend.aclose(_CLOSE_FLUSH_S)
+            await _within("writing the spend", _CLOSE_FLUSH_S + 0.5, self.spend.aclose(_CLOSE_FLUSH_S))
         if self.link is not None:
-            await self.link.close()
+            await _within("closing the redis link", _CLOSE_LINK_S, self.link.close())
 
     def _open_spend(self, cfg: Config) -> None:
         if self.spend is None and cfg.auth.keys:
@@ -434,7 +455,8 @@ async def listen(gateway: Gateway, host: str, port: int, *, ssl_context: ssl.SSL
     """Serve the gateway's API on host:port (and /metrics on [server].metrics_port if set); `reuse_port` lets
     several processes share the port (SO_REUSEPORT). Returns what to clean up, in this order."""
     server = gateway.store.current.server
-    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=server.shutdown_timeout_s)
     await runner.setup()
     api = CappedListener(runner, server.max_connections)
     runners: list = [api]
@@ -443,7 +465,8 @@ async def listen(gateway: Gateway, host: str, port: int, *, ssl_context: ssl.SSL
         if server.metrics_port is not None:
             metrics = web.Application()
             metrics.router.add_get("/metrics", gateway.metrics_page)
-            metrics_runner = web.AppRunner(metrics, access_log=None, keepalive_timeout=server.keepalive_timeout_s)
+            metrics_runner = web.AppRunner(metrics, access_log=None, keepalive_timeout=server.keepalive_timeout_s,
+                                           shutdown_timeout=server.shutdown_timeout_s)
             await metrics_runner.setup()
             runners.append(metrics_runner)
             await web.TCPSite(metrics_runner, host, server.metrics_port, reuse_address=True,

@@ -57,7 +57,8 @@ class Scheduler:
         self.store = store
         self.metrics = metrics
         self.estimators = estimators  # estimators.bundle.Estimators, or None if not built
-        self.core = SchedulingLoop(registry, pool_state, store.current.batching.max_queue, candidates_for, estimators)
+        self.scheduling_loop = SchedulingLoop(registry, pool_state, store.current.batching.max_queue, candidates_for,
+                                              estimators)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="scheduler")
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -65,7 +66,7 @@ class Scheduler:
         store.subscribe(self._on_config)
 
     def _on_config(self, cfg: Config) -> None:
-        self.core.queue.max_queue = cfg.batching.max_queue
+        self.scheduling_loop.queue.max_queue = cfg.batching.max_queue
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -84,9 +85,10 @@ class Scheduler:
         refused or served."""
         loop = asyncio.get_running_loop()
         ticket = Ticket(request, model, streaming, config, handle=loop.create_future())
-        if not self.core.submit(ticket, loop.time()):
+        if not self.scheduling_loop.submit(ticket, loop.time()):
             self.metrics.rejected.labels("queue_full").inc()
-            raise ApiError(429, f"the gateway has {self.core.queue.max_queue} requests waiting to be scheduled; "
+            waiting = self.scheduling_loop.queue.max_queue
+            raise ApiError(429, f"the gateway has {waiting} requests waiting to be scheduled; "
                                 "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.wakeup.set()
         await self._released(ticket, config, "")
@@ -100,62 +102,63 @@ class Scheduler:
         try:
             await asyncio.wait_for(ticket.handle, config.batching.max_wait_s)
         except TimeoutError:
-            self.core.withdraw(ticket, loop.time())
+            self.scheduling_loop.withdraw(ticket, loop.time())
             self.metrics.rejected.labels("overloaded").inc()
             raise ApiError(503, f"the gateway could not schedule the request{again} within "
                                 f"{config.batching.max_wait_s:g} s; retry shortly",
                            code="overloaded", headers={"Retry-After": "1"}) from None
         except BaseException:
-            self.core.withdraw(ticket, loop.time())
+            self.scheduling_loop.withdraw(ticket, loop.time())
             raise
 
     def complete(self, ticket: Ticket, completion: Completion) -> None:
         """The request is over: out of the pool_state; a held request may now go."""
-        self.core.complete(ticket, completion, asyncio.get_running_loop().time())
-        if self.core.held:
+        self.scheduling_loop.complete(ticket, completion, asyncio.get_running_loop().time())
+        if self.scheduling_loop.held:
             self.wakeup.set()
 
     # ---- a decided call's attempts (gateway/serving/dispatch.py) ------------------------------------------
     def plan(self, ticket: Ticket, i: int, budget_usd: float | None) -> DispatchPlan | None:
         """The attempt on ranked instance `i` with `budget_usd` to spend (None: not routable, or unaffordable)."""
-        return self.core.attempt_plan(ticket, i, asyncio.get_running_loop().time(), budget_usd)
+        return self.scheduling_loop.attempt_plan(ticket, i, asyncio.get_running_loop().time(), budget_usd)
 
     def dispatched(self, ticket: Ticket, plan: DispatchPlan) -> None:
-        self.core.dispatched(ticket, plan, asyncio.get_running_loop().time())
+        self.scheduling_loop.dispatched(ticket, plan, asyncio.get_running_loop().time())
 
     def attempt_succeeded(self, ticket: Ticket, plan: DispatchPlan) -> None:
-        self.core.attempt_succeeded(ticket, plan)
+        self.scheduling_loop.attempt_succeeded(ticket, plan)
 
     def attempt_failed(self, ticket: Ticket, plan: DispatchPlan, unreachable: bool = False) -> None:
-        self.core.attempt_failed(ticket, plan, asyncio.get_running_loop().time(), unreachable)
+        self.scheduling_loop.attempt_failed(ticket, plan, asyncio.get_running_loop().time(), unreachable)
 
     def first_token(self, ticket: Ticket) -> None:
-        self.core.first_token(ticket, asyncio.get_running_loop().time())
+        self.scheduling_loop.first_token(ticket, asyncio.get_running_loop().time())
 
     def progress(self, ticket: Ticket, tokens: int) -> None:
-        self.core.progress(ticket, tokens, asyncio.get_running_loop().time())
+        self.scheduling_loop.progress(ticket, tokens, asyncio.get_running_loop().time())
 
     # ---- what the pool looks like to a handler -------------------------------------------------------------
     def routable(self, name: str) -> bool:
         """The instance is not cooling down after failures."""
-        return self.core.pool_state.routable(name, asyncio.get_running_loop().time())
+        return self.scheduling_loop.pool_state.routable(name, asyncio.get_running_loop().time())
 
     def routable_instances(self, cfg: Config) -> list[Instance]:
         now = asyncio.get_running_loop().time()
-        return [inst for inst in cfg.instances if self.core.pool_state.routable(inst.name, now)]
+        return [inst for inst in cfg.instances if self.scheduling_loop.pool_state.routable(inst.name, now)]
 
     def in_flight(self, name: str) -> int:
         """The gateway's requests on the instance now."""
-        return len(self.core.pool_state.of(name).in_flight)
+        return len(self.scheduling_loop.pool_state.of(name).in_flight)
 
     def instance_states(self, cfg: Config) -> list[tuple[Instance, InstanceState]]:
         """Each instance of the config with what the gateway knows of it (read only)."""
-        return [(inst, self.core.pool_state.of(inst.name)) for inst in cfg.instances]
+        return [(inst, self.scheduling_loop.pool_state.of(inst.name)) for inst in cfg.instances]
 
     def no_healthy_instance(self, cfg: Config, ranked, model: str) -> ApiError:
         """503 for a request whose every ranked instance is cooling down, with when the first comes back."""
         now = asyncio.get_running_loop().time()
-        wait = min(self.core.pool_state.of(cfg.instances[i].name).cooling_until - now for i in ranked) if ranked else 1
+        pool = self.scheduling_loop.pool_state
+        wait = min(pool.of(cfg.instances[i].name).cooling_until - now for i in ranked) if ranked else 1
         return ApiError(503, f"every instance that could serve {model!r} is cooling down after failures; retry shortly",
                         None, "no_healthy_instance", headers={"Retry-After": str(max(1, round(wait + 0.5)))})
 
@@ -176,13 +179,13 @@ class Scheduler:
 
     def _evict(self, cfg: Config, now: float) -> None:
         """Abort the attempts the policies evict; each request waits in the gateway to go again."""
-        for ticket in self.core.evictions(cfg, now):
+        for ticket in self.scheduling_loop.evictions(cfg, now):
             abort = self._aborts.pop(ticket, None)
             if abort is None:
                 continue
             ticket.handle = asyncio.get_running_loop().create_future()  # before abort: its release may come first
             if abort():
-                self.core.requeue(ticket, now)
+                self.scheduling_loop.requeue(ticket, now)
             else:
                 ticket.handle.set_result(None)  # too late: it goes on where it is
 
@@ -192,8 +195,8 @@ class Scheduler:
         keep no trace of it (a round robin's turn, say)."""
         cfg = self.store.current
         for name in _configured_policies(cfg):
-            self.core.policies(cfg).get(name)
-        scratch = SchedulingLoop(registry, PoolState(), 1, self.core.resolve, self.estimators)
+            self.scheduling_loop.policies(cfg).get(name)
+        scratch = SchedulingLoop(registry, PoolState(), 1, self.scheduling_loop.resolve, self.estimators)
         [(decision, _)], _ = self.decide_now(cfg, [Ticket(request, "", False, cfg)], scratch.view(cfg, 0.0), scratch)
         return decision.refused
 
@@ -212,21 +215,21 @@ class Scheduler:
         now = loop.time()
         if self._aborts:
             self._evict(cfg, now)
-        for ticket in self.core.release_held(now):
+        for ticket in self.scheduling_loop.release_held(now):
             _wake(ticket)
-        limit = self.core.limit(cfg, now)
-        at = self.core.fire_at(limit, now)
+        limit = self.scheduling_loop.limit(cfg, now)
+        at = self.scheduling_loop.fire_at(limit, now)
         if at is None or at > now:
             # Held requests are asked again when a request completes or a scrape may have freed room.
-            poll = cfg.telemetry.scrape_interval_s if self.core.held else None
+            poll = cfg.telemetry.scrape_interval_s if self.scheduling_loop.held else None
             delays = [d for d in (poll, None if at is None else at - now) if d is not None]
             await self._sleep(min(delays) if delays else None)
             return
-        policies = self.core.policies(cfg)
+        policies = self.scheduling_loop.policies(cfg)
         for name in _configured_policies(cfg):
             if not policies.built(name):  # build it off the loop (clustering, loading)
                 await loop.run_in_executor(self.executor, policies.get, name)
-        batch, failed = self.core.take(cfg, limit, loop.time())
+        batch, failed = self.scheduling_loop.take(cfg, limit, loop.time())
         for ticket, error in failed:
             _fail(ticket, error)
         try:
@@ -250,7 +253,7 @@ class Scheduler:
         if not batch:
             return
         fired = loop.time()
-        view = self.core.view(cfg, fired)
+        view = self.scheduling_loop.view(cfg, fired)
         decided, timings = await loop.run_in_executor(self.executor, self.decide_now, cfg, batch, view)
         m = self.metrics
         m.batch_size.observe(len(batch))
@@ -261,18 +264,18 @@ class Scheduler:
         here = [(t, d) for t, d in zip(batch, decided, strict=True) if not t.handle.done()]
         for ticket, (_, policy) in zip(batch, decided, strict=True):
             if ticket.handle.done():
-                self.core.abandoned(ticket, policy, now)
+                self.scheduling_loop.abandoned(ticket, policy, now)
         for ticket, (d, _) in here:
             m.batch_wait.observe(fired - ticket.arrived)
             m.decision_seconds.observe(now - ticket.arrived)
             if d.ranked:
                 _observe_decision(m, ticket.request.policy, cfg.instances[d.ranked[0]].model, d)
-        for ticket in self.core.settle([t for t, _ in here], [d for _, d in here], now):
+        for ticket in self.scheduling_loop.settle([t for t, _ in here], [d for _, d in here], now):
             _wake(ticket)
 
     def decide_now(self, cfg: Config, batch: list[Ticket], view: PoolView,
-                   core: SchedulingLoop | None = None) -> tuple[list[Decided], BatchTimings]:
-        """The core's decisions for a batch, timed (in the worker thread)."""
+                   scheduling: SchedulingLoop | None = None) -> tuple[list[Decided], BatchTimings]:
+        """The scheduling loop's decisions for a batch, timed (in the worker thread)."""
         timings = BatchTimings()
 
         def estimate(tickets: list[Ticket]):
@@ -282,7 +285,7 @@ class Scheduler:
             return est
 
         start = time.perf_counter()
-        decided = (core or self.core).decide(cfg, batch, view, estimate)
+        decided = (scheduling or self.scheduling_loop).decide(cfg, batch, view, estimate)
         timings.score_s = time.perf_counter() - start - timings.estimate_s
         return decided, timings
 

@@ -10,14 +10,14 @@ import asyncio
 import itertools
 import random
 
-from gateway.config.sections import FaultsConfig
 from gateway.core.engine.engine import Engine, Sequence, StepReport
 from gateway.core.engine.profiles import spec_for_instance
+from gateway.lab.emulator.settings import FaultsConfig
 from gateway.lab.emulator.vllm_metrics import VllmMetrics
 
 
 class EmulatedInstance:
-    def __init__(self, cfg, *, now: float, seed: int):
+    def __init__(self, cfg, faults: FaultsConfig, *, now: float, seed: int):
         self.cfg = cfg
         self.name: str = cfg.name
         self.model: str = cfg.model
@@ -31,7 +31,7 @@ class EmulatedInstance:
             num_gpu_blocks=spec.num_gpu_blocks,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
         )
-        self.faults: FaultsConfig = cfg.faults  # replaced whole (it is frozen) when a knob changes
+        self.faults = faults  # replaced whole (it is frozen) when a knob changes
         self.rng = random.Random(f"{seed}:{cfg.name}")
         self._ids = itertools.count()
         self._wakeups: dict[object, asyncio.Event] = {}

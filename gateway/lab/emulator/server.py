@@ -18,11 +18,11 @@ import orjson
 from aiohttp import web
 
 from gateway.api.sse import DONE, SSE_HEADERS, json_event
-from gateway.config.sections import FaultsConfig
 from gateway.core.engine.profiles import arch_for
 from gateway.lab.emulator.instance import EmulatedInstance
 from gateway.lab.emulator.logprobs import MAX_LOGPROBS, TokenLogprobs, chat_content, completion_logprobs
 from gateway.lab.emulator.outputs import Answer, OutputLengths
+from gateway.lab.emulator.settings import FaultsConfig, emulator_of, faults_of
 from gateway.lab.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.tokens import TokenCounter, content_text
 
@@ -286,12 +286,14 @@ class EmulatedPool:
     def __init__(self, config, *, lengths: OutputLengths | None = None):
         self.config = config
         loop_now = asyncio.get_running_loop().time()
-        seed = config.emulator.seed
-        self.instances = {c.name: EmulatedInstance(c, now=loop_now, seed=seed) for c in config.instances}
+        settings = emulator_of(config)
+        seed = settings.seed
+        self.instances = {c.name: EmulatedInstance(c, faults_of(config, k), now=loop_now, seed=seed)
+                          for k, c in enumerate(config.instances)}
         means = {c.model: arch_for(c.model).mean_output_tokens for c in config.instances}
         self.lengths = lengths or OutputLengths(means, seed=seed)
         self.token_counter = TokenCounter()
-        self.tick_s = config.emulator.tick_s
+        self.tick_s = settings.tick_s
         self._runners: dict[str, web.AppRunner] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
@@ -340,9 +342,9 @@ class EmulatedPool:
 
     async def apply_config(self, config) -> None:
         """Take the fault knobs of a reloaded config (the pool's instances themselves are fixed at start)."""
-        for c in config.instances:
+        for k, c in enumerate(config.instances):
             if c.name in self.instances:
-                await self._take_faults(c.name, c.faults)
+                await self._take_faults(c.name, faults_of(config, k))
 
     async def _take_faults(self, name: str, faults: FaultsConfig) -> None:
         inst = self.instances[name]

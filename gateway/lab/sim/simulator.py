@@ -198,8 +198,8 @@ class Replica:
     """One gateway process: its scheduling loop with its pool pool_state and policies, the requests it has on the
     instances, its scrape clock, and the batch it is deciding. A cell runs `spec.replicas` of them."""
 
-    def __init__(self, index: int, core: SchedulingLoop, policy: Policy, first_scrape: float):
-        self.index, self.core, self.policy = index, core, policy
+    def __init__(self, index: int, scheduling: SchedulingLoop, policy: Policy, first_scrape: float):
+        self.index, self.scheduling_loop, self.policy = index, scheduling, policy
         self.in_flight: dict[int, tuple[int, object]] = {}  # rid -> (instance, engine sequence), until seen finished
         self.first_heard: set[int] = set()
         self.next_scrape = first_scrape
@@ -209,7 +209,7 @@ class Replica:
 
     @property
     def pool_state(self) -> PoolState:
-        return self.core.pool_state
+        return self.scheduling_loop.pool_state
 
 
 class Simulation:
@@ -237,13 +237,13 @@ class Simulation:
         self.replicas = []
         for k in range(spec.replicas):
             # The 429 bound is the live server's concern; each simulated request names its model's instances.
-            core = SchedulingLoop(registry, PoolState(), max_queue=1 << 30,
+            scheduling = SchedulingLoop(registry, PoolState(), max_queue=1 << 30,
                                   resolve=lambda _cfg, model: serving[model or None], estimators=estimators)
-            policy = core.policies(cfg).get(spec.policy)
+            policy = scheduling.policies(cfg).get(spec.policy)
             if isinstance(policy, Refusal):
                 raise ValueError(policy.message)
             # Replicas start at unrelated times: their scrapes are spread over the interval.
-            self.replicas.append(Replica(k, core, policy, k * self.scrape_every / spec.replicas))
+            self.replicas.append(Replica(k, scheduling, policy, k * self.scrape_every / spec.replicas))
         policy = self.replicas[0].policy
         self.times = arrival_times(spec.arrivals, len(ev), spec.seed)
         mega = megas(spec, len(ev))
@@ -333,16 +333,16 @@ class Simulation:
     def sync(self, rep: Replica, t: float) -> None:
         """The replica hears first tokens, progress and completions (of a request that does not stream, the
         gateway hears as its relay reads)."""
-        core = rep.core
+        scheduling = rep.scheduling_loop
         for rid, (i, seq) in list(rep.in_flight.items()):
             if rid not in rep.first_heard and seq.first_token_time is not None:
                 rep.first_heard.add(rid)
-                core.first_token(self.tickets[rid], seq.first_token_time)
+                scheduling.first_token(self.tickets[rid], seq.first_token_time)
             if seq.finished:
-                core.complete(self.tickets[rid], Completion(True, i, seq.generated), seq.finish_time)
+                scheduling.complete(self.tickets[rid], Completion(True, i, seq.generated), seq.finish_time)
                 del rep.in_flight[rid]
             else:
-                core.progress(self.tickets[rid], seq.generated, t)
+                scheduling.progress(self.tickets[rid], seq.generated, t)
 
     def scrape(self, rep: Replica, t: float) -> None:
         for k, (inst, e) in enumerate(zip(self.instances, self.engines, strict=True)):
@@ -373,15 +373,15 @@ class Simulation:
     # ---- what a replica does -------------------------------------------------------------------------
     def view(self, rep: Replica, t: float) -> PoolView:
         """The pool as the replica sees it when it decides a batch."""
-        return rep.core.view(self.cfg, t)
+        return rep.scheduling_loop.view(self.cfg, t)
 
     def fire(self, rep: Replica, t: float, window) -> tuple[float, list[Ticket], list]:
-        core, cfg = rep.core, self.cfg
-        batch, _ = core.take(cfg, window, t)
+        scheduling, cfg = rep.scheduling_loop, self.cfg
+        batch, _ = scheduling.take(cfg, window, t)
         self.batches.append(len(batch))
         if self.shared.mode != "single":
             self.ages.append(self.shared.age(rep.index, t))
-        decided = core.decide(cfg, batch, self.view(rep, t), self.estimate)
+        decided = scheduling.decide(cfg, batch, self.view(rep, t), self.estimate)
         for ticket, (d, _) in zip(batch, decided, strict=True):
             if d.ranked and d.ranked[0] in self.down:
                 self.ranked_down.append(ticket.handle)  # the policy put a known-down instance first
@@ -403,22 +403,22 @@ class Simulation:
 
     def dispatch(self, rep: Replica, t: float, decided: list[Ticket]) -> None:
         """Send decided requests to their engines; a refused one is answered at once."""
-        core, engines = rep.core, self.engines
+        scheduling, engines = rep.scheduling_loop, self.engines
         for ticket in decided:
             rid, out = ticket.handle, self.outcomes[ticket.handle]
             # A down instance refuses the connection: the next plan is tried, as live.
             refused = ticket.decision is None or ticket.decision.refused is not None
             plan = None
-            for p in () if refused else core.plans(ticket, t):
+            for p in () if refused else scheduling.plans(ticket, t):
                 if p.instance not in self.down:
                     plan = p
                     break
-                core.attempt_failed(ticket, p, t, unreachable=True)
+                scheduling.attempt_failed(ticket, p, t, unreachable=True)
             if plan is None:
                 out.finished = t  # refused: answered at once with an error
-                core.complete(ticket, Completion(False, None), t)
+                scheduling.complete(ticket, Completion(False, None), t)
                 continue
-            core.dispatched(ticket, plan, t)
+            scheduling.dispatched(ticket, plan, t)
             i = plan.instance
             label = int(self.label_length[rid, i])
             out.instance, out.dispatched = i, t
@@ -439,7 +439,7 @@ class Simulation:
     def evict(self, rep: Replica, t: float) -> None:
         """Requests the policy evicts: aborted on their engine (the work is lost), or swapped out to its host
         memory when the policy keeps their state; either way held again."""
-        for ticket in rep.core.evictions(self.cfg, t):
+        for ticket in rep.scheduling_loop.evictions(self.cfg, t):
             rid = ticket.handle
             i, seq = rep.in_flight.pop(rid)
             del self.sequences[rid]
@@ -452,7 +452,7 @@ class Simulation:
             else:
                 self.engines[i].abort(rid, t)
                 self.pay_prompt(rid, i)
-            rep.core.requeue(ticket, t)
+            rep.scheduling_loop.requeue(ticket, t)
 
     # ---- the event loop ------------------------------------------------------------------------------
     def run(self) -> CellResult:
@@ -465,16 +465,16 @@ class Simulation:
         next_arrival = 0
         clock = 0.0
         for rep in replicas:
-            rep.window = rep.core.limit(cfg, 0.0)
+            rep.window = rep.scheduling_loop.limit(cfg, 0.0)
         while True:
             for rep in replicas:
-                if rep.core.held or self.evicting:
+                if rep.scheduling_loop.held or self.evicting:
                     self.advance(clock)
                     self.sync(rep, clock)
                     self.look(rep, clock)
                     if self.evicting:
                         self.evict(rep, clock)
-                    self.dispatch(rep, clock, rep.core.release_held(clock))
+                    self.dispatch(rep, clock, rep.scheduling_loop.release_held(clock))
                     if self.warming:
                         self.warm(rep, clock)
             t_arrival, row = times[next_arrival] if next_arrival < len(times) else math.inf, next_arrival
@@ -485,7 +485,7 @@ class Simulation:
             if self.sketching:
                 work.append((self.sketch_end(), _SKETCHED, 0))
             for rep in replicas:
-                at = rep.core.fire_at(rep.window, clock) if rep.pending is None else None
+                at = rep.scheduling_loop.fire_at(rep.window, clock) if rep.pending is None else None
                 work += [(rep.pending[0] if rep.pending is not None else math.inf, _DISPATCH, rep.index),
                          (math.inf if at is None else max(rep.busy_until, at), _FIRE, rep.index)]
             t_next, kind, k = min(work)
@@ -510,22 +510,22 @@ class Simulation:
                     self.sync(rep, clock)  # `hold` judges the pool as it is now
                 self.look(rep, clock)
                 _, batch, decided = rep.pending
-                self.dispatch(rep, clock, rep.core.settle(batch, decided, clock))
+                self.dispatch(rep, clock, rep.scheduling_loop.settle(batch, decided, clock))
                 rep.pending = None
-                rep.window = rep.core.limit(cfg, clock)
+                rep.window = rep.scheduling_loop.limit(cfg, clock)
             elif kind == _ARRIVAL:
                 if row < len(self.ev):  # a client request (rows past them are expansions)
                     next_arrival += 1
                 else:
                     heapq.heappop(self.spawned)
-                rep.core.submit(self.tickets[row], clock)
-                rep.window = rep.core.limit(cfg, clock)
+                rep.scheduling_loop.submit(self.tickets[row], clock)
+                rep.window = rep.scheduling_loop.limit(cfg, clock)
             elif kind == _SKETCHED:
                 self.advance(clock)  # which sends the expansions of the sketches that ended
             else:
                 if rep.window is not None:
-                    rep.window = rep.core.limit(cfg, clock)
-                    if not rep.core.queue.ready(rep.window, clock):
+                    rep.window = rep.scheduling_loop.limit(cfg, clock)
+                    if not rep.scheduling_loop.queue.ready(rep.window, clock):
                         continue  # the rule now asks for a longer window: sleep on
                 self.advance(clock)
                 self.sync(rep, clock)
@@ -533,9 +533,9 @@ class Simulation:
                 rep.busy_until, batch, decided = self.fire(rep, clock, rep.window)
                 rep.pending = (rep.busy_until, batch, decided)
         for rep in replicas:
-            for ticket in list(rep.core.held):  # held when nothing was left to free room: refused
+            for ticket in list(rep.scheduling_loop.held):  # held when nothing was left to free room: refused
                 self.outcomes[ticket.handle].finished = clock
-                rep.core.withdraw(ticket, clock)
+                rep.scheduling_loop.withdraw(ticket, clock)
                 if ticket.handle in self.parked:
                     self.unpark(ticket.handle, self.parked.pop(ticket.handle))
         self.advance(math.inf)
@@ -573,7 +573,7 @@ class Simulation:
     def _waiting_for_room(self) -> bool:
         """Requests are held in a replica while some are still running on the instances (whose end may free
         the room they wait for)."""
-        return (any(rep.core.held for rep in self.replicas)
+        return (any(rep.scheduling_loop.held for rep in self.replicas)
                 and any(not seq.finished for rep in self.replicas for _, seq in rep.in_flight.values()))
 
 

@@ -60,6 +60,7 @@ from gateway.core.engine.profiles import load_seconds, spec_for_instance
 from gateway.core.engine.shared_gpu import gpu_groups
 from gateway.core.policy import Policy, PolicyContext, PolicyEntry
 from gateway.core.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
+from gateway.core.settings import InstanceSettings
 from gateway.core.view import PoolView
 from gateway.policies.qlm.plan import GroupView, Queues, choose, greedy_plan, soonest
 from gateway.policies.qlm.rct import InstanceModel, Normal, QueueLoad, completion, execution, length, wait
@@ -163,7 +164,8 @@ class Qlm(Policy):
     name = "qlm"
     needs_estimates = True
 
-    def __init__(self, instances: tuple, options: QlmOptions, mode: Literal["plan", "edf"] = "plan"):
+    def __init__(self, instances: Sequence[InstanceSettings], options: QlmOptions,
+                 mode: Literal["plan", "edf"] = "plan"):
         self.mode = mode
         self.options = options
         self.models = [InstanceModel.of(spec_for_instance(i), options.slowdown, _swap_s(i, mode))
@@ -488,7 +490,7 @@ class Qlm(Policy):
             return 1.0
         return seen[1] / seen[2]
 
-    def _correction(self, instances: tuple, prompt_tokens: int) -> np.ndarray:
+    def _correction(self, instances: Sequence[InstanceSettings], prompt_tokens: int) -> np.ndarray:
         bucket = _bucket(prompt_tokens)
         with self._lock:
             return np.array([self._factor((inst.model, bucket)) for inst in instances])

@@ -39,6 +39,7 @@ from gateway.core.engine.engine import EngineSpec
 from gateway.core.engine.profiles import engine_spec, spec_for_instance
 from gateway.core.policy import Policy, PolicyContext, PolicyEntry
 from gateway.core.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
+from gateway.core.settings import InstanceSettings
 from gateway.core.view import PoolView
 from gateway.policies.qos.impact import Assessment, StepCurves, assess
 from gateway.policies.qos.state import (
@@ -132,9 +133,9 @@ class _QosPolicy(Policy):
         self.tracker = Tracker()
         self.lock = threading.Lock()
         self._curves: StepCurves | None = None
-        self._instances: tuple | None = None
+        self._instances: Sequence[InstanceSettings] | None = None
 
-    def curves(self, instances: tuple) -> StepCurves:
+    def curves(self, instances: Sequence[InstanceSettings]) -> StepCurves:
         if self._instances is not instances:
             self._curves, self._instances = StepCurves.of([_spec(i) for i in instances]), instances
         assert self._curves is not None
