@@ -1,4 +1,5 @@
-"""`routebalance` command line: serve | emulate | up | train | profile | bench | sim | policies | keys."""
+"""`routebalance` command line: serve | emulate | up | keys | policies, and the lab's commands (train | profile |
+bench | sim | calibrate | train-policy, gateway/lab/cli.py), imported only when one of them is asked for."""
 
 from __future__ import annotations
 
@@ -314,8 +315,6 @@ def add_commands(sub) -> None:
     config_option(p)
 
 
-
-
 COMMANDS = {"policies": cmd_policies, "keys": cmd_keys}
 SERVING = ("serve", "emulate", "up")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -331,8 +330,9 @@ def wanted(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-") and a.upper() not in LOG_LEVELS), None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser(with_lab: bool) -> tuple[argparse.ArgumentParser, dict]:
+    """The command line's parser and the function of each command that is not a server (`with_lab`: the
+    lab's commands too, which imports the lab)."""
     parser = argparse.ArgumentParser(prog="routebalance",
                                      description="Quality-, latency- and cost-aware gateway for vLLM pools")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
@@ -355,11 +355,18 @@ def main(argv: list[str] | None = None) -> int:
                                 "ports of the instances' urls in the config)")
     add_commands(sub)
     commands = dict(COMMANDS)
-    if wanted(argv) not in (*SERVING, *COMMANDS):  # a lab command, or the help: only then is the lab imported
+    if with_lab:
         from gateway.lab import cli as lab
 
         lab.add_commands(sub, config_option)
         commands |= lab.COMMANDS
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # A lab command, or the help: only then is the lab imported (`serve` never imports it).
+    parser, commands = build_parser(with_lab=wanted(argv) not in (*SERVING, *COMMANDS))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # it narrates its CPU-feature probing

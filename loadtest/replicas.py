@@ -60,7 +60,9 @@ def ensure(binary: str, package: str) -> str:
 
 def pool_config(work: Path) -> tuple[Path, str]:
     """The built-in pool, moved to free ports (the emulator serves each instance on its url's port)."""
-    text = (ROOT / "gateway" / "default_config.toml").read_text()
+    from gateway.config.store import default_config_path
+
+    text = default_config_path().read_text()
     for old in sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text))):
         text = text.replace(f"127.0.0.1:{old}\"", f"127.0.0.1:{free_port()}\"")
     path = work / "pool.toml"

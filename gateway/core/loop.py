@@ -1,4 +1,4 @@
-"""The scheduling loop, once: batch forming, deciding, dispatch plans, the pool pool_state.
+"""The scheduling loop, once: batch forming, deciding, dispatch plans, the pool state.
 
 The live server (gateway/serving/driver.py: real time, sockets, a worker thread)
 and the simulator (gateway/lab/sim/simulator.py: virtual time, the engine model)
@@ -12,7 +12,7 @@ are two thin drivers of this object. A driver calls, in this order:
     release_held(now)                       held requests whose policy lets them go
     plan(ticket, i, now, budget)            each ranked attempt in its turn, with its budget clamp
     dispatched / attempt_failed|succeeded   an attempt goes out, and how the instance did
-    progress / first_token / complete       what came back; the pool_state and the policy hear it
+    progress / first_token / complete       what came back; the pool state and the policy hear it
     evictions(cfg, now); requeue(ticket)    requests a policy evicts: aborted, then held again
 
 `decide` touches no ticket (live it runs in a worker thread while the event
@@ -170,7 +170,7 @@ class SchedulingLoop:
             ticket.config = cfg
 
     def view(self, cfg: CoreConfig, now: float) -> PoolView:
-        """A working copy of what the pool_state knows of the pool now."""
+        """A working copy of what the pool state knows of the pool now."""
         return self.pool_state.snapshot(cfg.instances, now, cfg.telemetry.stale_after_s)
 
     # ---- deciding (live: in the worker thread) -----------------------------------
@@ -292,7 +292,7 @@ class SchedulingLoop:
         return out
 
     def requeue(self, ticket: Ticket, now: float) -> None:
-        """An evicted request's attempt was aborted: out of the pool_state, held again in the gateway."""
+        """An evicted request's attempt was aborted: out of the pool state, held again in the gateway."""
         self._unbook(ticket)
         ticket.evictions += 1
         self.held.append(ticket)
@@ -392,7 +392,7 @@ class SchedulingLoop:
         self._tell(ticket.decided_by, "on_first_token", ticket, now)
 
     def complete(self, ticket: Ticket, completion: Completion, now: float) -> None:
-        """The request is over, served or not: out of the pool_state, and its policy hears how it went (once)."""
+        """The request is over, served or not: out of the pool state, and its policy hears how it went (once)."""
         self._unbook(ticket)
         policy, ticket.decided_by = ticket.decided_by, None
         self._tell(policy, "on_complete", ticket, completion, now)

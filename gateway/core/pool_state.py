@@ -1,4 +1,4 @@
-"""The pool pool_state: each instance's last /metrics scrape plus the gateway's own accounting.
+"""The pool state: each instance's last /metrics scrape plus the gateway's own accounting.
 
 vLLM's metrics say how many requests run and wait, but not how much answer
 is still to come; the gateway knows that for what it dispatched (predicted
@@ -190,7 +190,7 @@ class InstanceState:
 
 
 class PoolState:
-    """InstanceState per instance name, so the pool_state survives config reloads."""
+    """InstanceState per instance name, so the pool state survives config reloads."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, InstanceState] = {}

@@ -107,7 +107,7 @@ class Completion:
 
 @dataclass(eq=False, slots=True)
 class Ticket:
-    """One request from arrival to completion; also its key in the pool pool_state.
+    """One request from arrival to completion; also its key in the pool state.
 
     `model` is what the client asked for, so the candidates can be found again
     if the config is reloaded while the request waits; `config` is the config

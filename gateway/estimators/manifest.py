@@ -1,8 +1,9 @@
 """The manifest of a built models/ directory: what each artefact is, its hash, and what it was built from.
 
-`routebalance train` (gateway/lab/training/build.py) writes it; the server reads and checks it here,
-and never builds: a directory that is missing, corrupt, or built by another manifest format or
-other package versions is refused with the command that rebuilds it.
+`routebalance train` (gateway/lab/training/build.py) writes it; the server reads and checks it here, and
+never builds: a directory that is missing, corrupt, or built by another manifest format or other package
+versions is refused. Its errors say what is wrong, not what to run: `serve` adds the command that builds
+the artefacts, and `up` and the lab's commands build them there and then.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def write_manifest(models_dir: Path, manifest: dict) -> None:
 def read_manifest(models_dir: Path) -> dict:
     path = Path(models_dir) / MANIFEST
     if not path.is_file():
-        raise ArtefactError(f"{path} does not exist: run `routebalance train`")
+        raise ArtefactError(f"{path} does not exist")
     try:
         manifest = orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError as e:
         raise ArtefactError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtefactError(f"{path}: unknown manifest format (expected {FORMAT}): rebuild with `routebalance train`")
+        raise ArtefactError(f"{path}: unknown manifest format (expected {FORMAT})")
     return manifest
 
 
@@ -72,10 +73,9 @@ def verify(models_dir: Path, manifest: dict) -> None:
     for name, digest in manifest["files"].items():
         path = Path(models_dir) / name
         if not path.is_file():
-            raise ArtefactError(f"{path} is missing: rebuild with `routebalance train`")
+            raise ArtefactError(f"{path} is missing")
         if sha256_of(path) != digest:
-            raise ArtefactError(f"{path} does not match its manifest hash (corrupt or replaced): "
-                                "rebuild with `routebalance train`")
+            raise ArtefactError(f"{path} does not match its manifest hash (corrupt or replaced)")
 
 
 def check_versions(models_dir: Path, manifest: dict) -> None:
@@ -86,5 +86,4 @@ def check_versions(models_dir: Path, manifest: dict) -> None:
     changed = sorted(k for k in now.keys() | built.keys() if k != "python" and built.get(k) != now.get(k))
     if changed:
         detail = ", ".join(f"{k} {built.get(k)} -> {now.get(k)}" for k in changed)
-        raise ArtefactError(f"{Path(models_dir) / MANIFEST}: built by other package versions ({detail}): "
-                            "rebuild with `routebalance train`")
+        raise ArtefactError(f"{Path(models_dir) / MANIFEST}: built by other package versions ({detail})")

@@ -137,7 +137,7 @@ def cmd_train_policy(args) -> int:
     from gateway.config.store import load_config
 
     if args.policy == "eldr":
-        return _fit_eldr(load_config(args.config), args.seed)
+        return _fit_eldr(load_config(args.config), args.seed, args.config)
     if args.seed is None:
         args.seed = 0
     try:
@@ -158,7 +158,7 @@ def cmd_train_policy(args) -> int:
     return 0
 
 
-def _fit_eldr(config, seed: int | None) -> int:
+def _fit_eldr(config, seed: int | None, config_path) -> int:
     """ELDR's centroids for the config's pool, fitted (or found) under its models_dir, and reported."""
     from gateway.artefacts import ArtefactError
     from gateway.estimators.bundle import Estimators
@@ -167,7 +167,8 @@ def _fit_eldr(config, seed: int | None) -> int:
     try:  # loaded, not built: fitting centroids must not refit the TPOT heads of a config's new tiers
         estimators = Estimators.load(config)
     except ArtefactError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}: build the estimators first with `routebalance train --config {config_path}`",
+              file=sys.stderr)
         return 2
     print(format_report(fit_for_config(config, estimators, seed=seed)))
     return 0

@@ -30,7 +30,7 @@ from gateway.serving.dispatch import Attempt, CallDispatcher, DecidedCall
 from gateway.serving.driver import Scheduler, candidates_for, refusal_error
 from gateway.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.serving.metrics import GatewayMetrics
-from gateway.serving.progressive import FellBack, Progressive
+from gateway.serving.progressive import PROGRESSIVE, FellBack, Progressive
 from gateway.serving.telemetry import scrape_forever
 from gateway.state.link import RedisLink
 from gateway.state.sync import ReplicaSync
@@ -110,7 +110,7 @@ class Gateway:
         self.host = host or store.current.server.host  # where it listens: anonymous access depends on it
         self.pool_state = PoolState()
         self.metrics = GatewayMetrics()
-        self.scheduler = Scheduler(store, self.pool_state, self.metrics, estimators, candidates_for)
+        self.scheduler = Scheduler(store, self.pool_state, self.metrics, estimators)
         self.token_counter = TokenCounter()
         self.dispatcher = CallDispatcher(self.scheduler, self.metrics, self.token_counter, lambda: self.session)
         self.progressive = Progressive(self.scheduler, self.dispatcher, self.metrics, self.token_counter)
@@ -244,7 +244,7 @@ class Gateway:
             if req.routing.mode == "progressive":
                 served = await self.progressive.serve(request, cfg, req, spend, routed)
                 if not isinstance(served, FellBack):
-                    attempt.instance, attempt.status = "progressive", served.status
+                    attempt.instance, attempt.status = PROGRESSIVE, served.status
                     self.metrics.e2e.labels(route).observe(loop.time() - start)
                     return served
                 attempt.headers = served.headers()
@@ -280,7 +280,7 @@ class Gateway:
             # Whatever the request paid, on any path (a progressive request's calls, a sketch before a fallback).
             if spend is not None and spend.key is not None and spend.paid_usd:
                 self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
-            if slo is not None and slo.any:
+            if slo is not None and slo.any and attempt.instance != PROGRESSIVE:  # its calls carry no SLO
                 self._count_slo(slo, policy, attempt)
 
     def _count_slo(self, slo: SloCheck, policy: str, attempt: Attempt) -> None:
@@ -401,6 +401,7 @@ def build_app(gateway: Gateway) -> web.Application:
         watcher = asyncio.create_task(watch_file(gateway.store, gateway.count_reload))
         yield
         watcher.cancel()
+        await _within("stopping the config watcher", _CLOSE_TASKS_S, watcher)
         await gateway.close()
 
     app.cleanup_ctx.append(lifecycle)

@@ -5,7 +5,7 @@ request ends. One task fires batches as the loop's batch rule allows and
 hands each to a single worker thread, which estimates the whole batch once
 and runs the policies over a snapshot of the pool. The event loop never
 waits on that work. Before a request is handed back it is booked in the
-pool pool_state on its first dispatch plan, so the next batch's snapshot
+pool state on its first dispatch plan, so the next batch's snapshot
 already counts it.
 """
 
@@ -53,7 +53,7 @@ def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
 
 
 class Scheduler:
-    def __init__(self, store: ConfigStore, pool_state: PoolState, metrics: GatewayMetrics, estimators, candidates_for):
+    def __init__(self, store: ConfigStore, pool_state: PoolState, metrics: GatewayMetrics, estimators):
         self.store = store
         self.metrics = metrics
         self.estimators = estimators  # estimators.bundle.Estimators, or None if not built
@@ -100,7 +100,8 @@ class Scheduler:
         undoes whatever was booked or held."""
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(ticket.handle, config.batching.max_wait_s)
+            async with asyncio.timeout(config.batching.max_wait_s):  # not wait_for: it may swallow a cancellation
+                await ticket.handle
         except TimeoutError:
             self.scheduling_loop.withdraw(ticket, loop.time())
             self.metrics.rejected.labels("overloaded").inc()
@@ -112,7 +113,7 @@ class Scheduler:
             raise
 
     def complete(self, ticket: Ticket, completion: Completion) -> None:
-        """The request is over: out of the pool_state; a held request may now go."""
+        """The request is over: out of the pool state; a held request may now go."""
         self.scheduling_loop.complete(ticket, completion, asyncio.get_running_loop().time())
         if self.scheduling_loop.held:
             self.wakeup.set()
@@ -243,7 +244,8 @@ class Scheduler:
         """Until woken (an arrival, a completion) or `delay` seconds pass (None: no limit)."""
         self.wakeup.clear()
         try:
-            await asyncio.wait_for(self.wakeup.wait(), None if delay is None else max(delay, 0.0))
+            async with asyncio.timeout(None if delay is None else max(delay, 0.0)):
+                await self.wakeup.wait()
         except TimeoutError:
             pass
 

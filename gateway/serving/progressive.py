@@ -30,8 +30,10 @@ prompt, which replaces the last user turn, and the request's sampling parameters
 
 Money: every attempt of every call reserves its worst case against the key before it goes and pays its
 real cost when it ends (a call the key cannot cover is dropped, like a failed one); the answer's usage
-is the sum over every call (the sketch and every candidate), with `cost_usd`, which is what the key is
-booked. The upstream calls themselves are never streamed (the client's stream is the gateway's).
+sums the tokens of every call (the sketch and every candidate, each its last attempt's) and its
+`cost_usd` what every attempt cost, which is what the key is booked. The upstream calls themselves are
+never streamed (the client's stream is the gateway's). Each call is a request to the scheduling loop, so
+the decision metrics (batch wait, decisions per policy and model) count calls, not client requests.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class Progressive:
             return self.fall_back("sketch_failed")
         # The sketch's decision carries the estimators' answer length on the largest tier (its batch's
         # estimate): the short-answer rule reads it, and the sketch goes only if the prompt suits the mode.
+        # A policy that asks for no estimates leaves it None: the length rules then see no estimate.
         d = ticket.decision
         reason = fallback_reason(question, d.answer_tokens if d is not None else None, rule)
         if reason is not None:
@@ -226,8 +229,8 @@ class Progressive:
             sketch, sketched = await self._run(ticket, call, spend, calls)
         except ApiError:  # the key cannot cover it now (others spent meanwhile): normal routing decides
             return self.fall_back("budget", calls.total(spend).cost)
-        if sketched is None:
-            return self.fall_back("no_tiers")
+        if sketched is None:  # its policy refused it (its budget, say): normal routing decides
+            return self.fall_back("sketch_failed")
         points = parse_points(_content(sketch) or "", limits.max_points) if sketch is not None else []
         if sketch is None or len(points) < limits.min_points:  # normal routing; the sketch stays paid
             return self.fall_back("sketch_failed" if sketch is None else "few_points", calls.total(spend).cost)

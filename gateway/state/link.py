@@ -49,7 +49,10 @@ class RedisLink:
     async def call(self, what: str, awaitable: Awaitable):
         """Await one Redis call within the timeout; StateUnavailable if it fails."""
         try:
-            result = await asyncio.wait_for(awaitable, self.timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the caller's own cancellation
+            # when the call ends at that moment, and a cancelled background loop would then run on.
+            async with asyncio.timeout(self.timeout_s):
+                result = await awaitable
         except (RedisError, OSError, TimeoutError) as e:
             self._down(what, e)
             raise StateUnavailable(f"redis at {self.url}: {what} failed: {e.__class__.__name__}: {e}") from None

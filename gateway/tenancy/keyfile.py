@@ -36,8 +36,8 @@ def add_key(path: Path, name: str, *, spend_limit_usd: float | None = None, peri
     target = path.resolve()  # a symlinked config is edited where it lives
     packaged = default_config_path()
     if target == packaged.resolve():
-        raise ValueError(f"{path} is the packaged default config (upgrades overwrite it); copy it "
-                         f"first (cp {packaged} config.toml) and pass --config config.toml")
+        raise ValueError(f"{path} is the packaged default config (upgrades overwrite it); make a config of "
+                         f"your own first (cp {packaged} my-pool.toml) and pass --config my-pool.toml")
     if spend_limit_usd is not None and not math.isfinite(spend_limit_usd):
         raise ValueError(f"--spend-limit-usd must be a finite number, got {spend_limit_usd!r}")
     text = target.read_bytes().decode("utf-8")

@@ -4,7 +4,7 @@ One cell replays an evaluation set at some arrival process through the
 gateway's own scheduling loop (core/loop.py), the very object the live
 server drives: batch forming (eager, or the paper's window rule), the
 policies' hooks and assignment, the dispatch plans with their budget clamp,
-and the pool pool_state, fed here by scrapes of each engine every
+and the pool state, fed here by scrapes of each engine every
 `scrape_interval_s` and by the streamed progress of what was dispatched.
 What this driver adds is virtual time and the instances: `engine.Engine`,
 answering each prompt at its labelled length for the model that serves it
@@ -195,7 +195,7 @@ def run_cell(cfg, evalset: EvalSet, spec: CellSpec, estimators=None) -> CellResu
 
 
 class Replica:
-    """One gateway process: its scheduling loop with its pool pool_state and policies, the requests it has on the
+    """One gateway process: its scheduling loop with its pool state and policies, the requests it has on the
     instances, its scrape clock, and the batch it is deciding. A cell runs `spec.replicas` of them."""
 
     def __init__(self, index: int, scheduling: SchedulingLoop, policy: Policy, first_scrape: float):

@@ -7,8 +7,8 @@ traces per tier (profiled files if given, else a virtual-time sweep of the
 emulator's engine model) -> XGBoost heads -> manifest.json with versions and
 hashes.
 
-`ensure_built` builds only what the config lacks, which is how `serve`, `up`
-and the tests get artefacts on first use:
+`ensure_built` builds only what the config lacks, which is how `up`, the lab's
+commands and the tests get artefacts on first use (`serve` only loads them):
 - the embedder and the KNN index depend on the workload, the seed, the
   embedder's max_tokens and the package versions (`TrainInputs.fingerprint`):
   a change there rebuilds everything (minutes);
@@ -87,11 +87,10 @@ class BuildProgress:
 
     def __call__(self, phase: str, done: int = 0, total: int = 0) -> None:
         if phase != self.phase:
-            self.phase, self._phase_started, self._tenth = phase, self.clock(), -1
-            if not total:
-                log.info("build: %s (%.0f s so far)", phase, self.elapsed_s())
+            self.phase, self._phase_started, self._tenth = phase, self.clock(), 0
+            log.info("build: %s%s (%.0f s so far)", phase, f", {total}" if total else "", self.elapsed_s())
         self.done, self.total = done, total
-        if total and (tenth := 10 * done // total) > self._tenth:
+        if total and (tenth := 10 * done // total) > self._tenth:  # each tenth, once its pace says something
             self._tenth = tenth
             left = self.left_s()
             log.info("build: %s %d/%d (%d%%), %.0f s so far%s", phase, done, total, 100 * done // total,
@@ -380,7 +379,7 @@ def ensure_built(config, models_dir: Path | None = None, *, workload: str | None
         manifest = read_manifest(models_dir)
         verify(models_dir, manifest)
     except ArtefactError as e:
-        log.info("building estimator artefacts (%s)", e)
+        log.info("building the estimator artefacts now (%s)", e)
         return train(config, models_dir, workload=workload, trace_files=trace_files, progress=progress)
     if manifest["inputs"] != inputs.fingerprint():
         log.info("estimator artefacts in %s come from another workload, seed, max_tokens or package versions: "
@@ -425,8 +424,8 @@ def format_report(manifest: dict) -> str:
 
 
 def built_estimators(config, models_dir: Path | None = None):
-    """The config's estimators, built first if they are missing, stale or corrupt (minutes): the lab's
-    commands and `up`; `serve` only loads (gateway/estimators/bundle.py)."""
+    """The config's estimators, built first if they are missing, stale or corrupt (minutes), for the lab's
+    commands and scripts (`up` builds with `ensure_built` while its port answers; `serve` only loads)."""
     from gateway.estimators.bundle import Estimators
 
     log.info("checking the estimator artefacts in %s (a first build of the paper-size index takes about "

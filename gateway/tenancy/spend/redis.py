@@ -290,7 +290,8 @@ class RedisSpendLedger:
     async def aclose(self, timeout_s: float) -> None:
         """Write what is left, within `timeout_s`; what cannot be written is logged, one line per booking."""
         try:
-            await asyncio.wait_for(self.flush(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.flush()
         except (SpendStoreError, TimeoutError) as e:
             log.error("redis took not all spend before exit (%s); unwritten:", e)
             for w in self.outbox:

@@ -43,7 +43,7 @@ def spend_limit_error(key: ApiKey, reserve_usd: float | None = None, left_usd: f
 def store_error(e: SpendStoreError) -> ApiError:
     log.error("the spend ledger failed: %s", e)
     return ApiError(503, "the spend ledger is unavailable; requests of keys are refused until it is back",
-                    None, "ledger_unavailable", headers={"Retry-After": "1"})
+                    None, "ledger_unavailable", headers={"Retry-After": "5"})
 
 
 def worst_case_usd(instance, input_tokens: int, max_tokens: int | None, n: int, has_media: bool = False) -> float:
