@@ -69,6 +69,9 @@ def read_jsonl(path: str | os.PathLike) -> list[Record]:
             try:
                 records.append(parse_record(line))
             except ValueError as e:
+                if not records and line.lstrip().startswith("["):
+                    raise ValueError(f"{path}:{lineno}: a JSON array; a workload is JSON Lines, one JSON object "
+                                     "(one prompt and its labels) per line") from None
                 raise ValueError(f"{path}:{lineno}: {e}") from None
     return records
 
@@ -100,7 +103,7 @@ def parse_record(line: str) -> Record:
     record_id = obj.get("id")
     if record_id is None:
         record_id = prompt_key(prompt)
-    kind = obj.get("kind") or UNKNOWN_KIND
+    kind = obj.get("kind") or obj.get("task") or UNKNOWN_KIND  # the real-label files call it "task"
     return Record(id=str(record_id), prompt=prompt, kind=str(kind), input_len=int(input_len), models=models)
 
 

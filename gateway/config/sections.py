@@ -341,6 +341,10 @@ class EstimatorsConfig(Section):
     # Size of the synthetic labelled workload `train` builds when no data is given.
     train_records: int = option(18608, ge=50)
     seed: int = 0
+    # A labelled workload file (JSON Lines, the shape of `routebalance train --workload`) the estimators
+    # are built from; unset: the synthetic one. Estimators built from a file are never rebuilt from
+    # synthetic data: `up` and `sim` keep them when this is unset.
+    workload: str | None = option(None, nonempty=True)
     # The synthetic workload's quality labels: "graded" scores in [0, 1], or "binary" 0/1
     # judgements drawn from them (as real data sets often label answers).
     labels: Literal["graded", "binary"] = "graded"

@@ -34,8 +34,10 @@ gets no head, and the scheduler prices its latency with its tpot_prior_ms
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,8 +66,9 @@ from gateway.estimators.manifest import (
     write_manifest,
 )
 from gateway.estimators.minilm_export import export_minilm_onnx
+from gateway.lab.training.routing_report import format_routing, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
-from gateway.records import Record, model_names, read_jsonl, split
+from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
 
 log = logging.getLogger("routebalance.train")
 # The synthetic workload's calibration: raise it when gateway/lab/workload/synthetic.py's constants
@@ -176,7 +179,8 @@ def inputs_from_config(config, workload: str | None = None, trace_files=()) -> T
     tiers = tuple(TierInputs(key, insts[0].tpot_prior_ms, _sweepable(insts), tuple(profiled.get(key, ())))
                   for key, insts in members.items())
     est = config.estimators
-    return TrainInputs(workload, est.train_records, est.seed, est.labels == "binary", est.max_tokens, tiers)
+    return TrainInputs(workload or est.workload, est.train_records, est.seed, est.labels == "binary",
+                       est.max_tokens, tiers)
 
 
 def _sweepable(instances: list[Instance]) -> Instance | None:
@@ -203,9 +207,47 @@ def load_workload(inputs: TrainInputs) -> list[Record]:
 
 
 def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(records, models) quality and answer length; lengths clipped at MAX_OUTPUT_TOKENS, the answers the
+    emulator and the simulator give (`checked_workload` says how many were longer)."""
     quality = np.array([[r.models[m].score for m in models] for r in records], dtype=np.float32)
     length = np.array([[r.models[m].output_length for m in models] for r in records], dtype=np.float32)
-    return quality, length
+    return quality, np.minimum(length, MAX_OUTPUT_TOKENS)
+
+
+def checked_workload(records: list[Record], config, source: str) -> tuple[str, ...]:
+    """The models the index is built for, once the workload suits the pool; ValueError naming what does not
+    (a model labelled in some records only, a model no instance serves, no pool model at all). Says what it
+    does with long answers and with `labels = "binary"`."""
+    if not records:
+        raise ValueError(f"{source}: no records")
+    seen = list(dict.fromkeys(name for r in records for name in r.models))
+    for name in seen:
+        missing = next((r for r in records if name not in r.models), None)
+        if missing is not None:
+            count = sum(name in r.models for r in records)
+            raise ValueError(f"{source}: model {name!r} is labelled in {count} of {len(records)} records (not in "
+                             f"record {missing.id!r}); every record must label every model it names")
+    pool = config.models()
+    strangers = [m for m in seen if m not in pool]
+    if strangers:
+        raise ValueError(f"{source}: {', '.join(map(repr, strangers))} "
+                         f"{'is not a model' if len(strangers) == 1 else 'are not models'} of the pool; the "
+                         f"file's models: {', '.join(seen)}; the pool's ([[instances]] model): {', '.join(pool)}. "
+                         f"Rename them in the file as the pool serves them, or leave them out")
+    unlabelled = [m for m in pool if m not in seen]
+    if unlabelled:
+        log.warning("%s labels no answers of %s: routed on the mean of the labelled models until labels come",
+                    source, ", ".join(unlabelled))
+    lengths = [label.output_length for r in records for label in r.models.values()]
+    long = sum(n > MAX_OUTPUT_TOKENS for n in lengths)
+    if long:
+        log.warning("%s: %d of %d answers are longer than %d tokens: their lengths are clipped at %d for the "
+                    "estimators (the answers the emulator and the simulator give)", source, long, len(lengths),
+                    MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS)
+    if config.estimators.labels == "binary":
+        log.warning('[estimators] labels = "binary" draws 0/1 labels for the synthetic workload only: the '
+                    "scores of %s are used as they are", source)
+    return tuple(seen)
 
 
 def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], config,
@@ -233,6 +275,7 @@ def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], config
         "quality_preset_picks": preset_quality(est, quality, test, config),
         "quality_preset_picks_raw": preset_quality(knn.estimate(vectors, shrink=False), quality, test, config),
         "best_single_model": float(quality.mean(axis=0).max()),
+        "routing": routing_report(est, test, config, config.estimators.seed),
     }
 
 
@@ -325,13 +368,27 @@ def train(config, out_dir: Path, *, workload: str | None = None, trace_files=(),
     started = time.perf_counter()
     progress("reading the workload")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    made = not out_dir.exists()
+    try:
+        return _train(config, out_dir, workload, trace_files, progress, started)
+    except BaseException:
+        if made:  # a build that failed leaves no half-made folder behind
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _train(config, out_dir: Path, workload: str | None, trace_files, progress: Callable[..., None],
+           started: float) -> dict:
     inputs = inputs_from_config(config, workload, trace_files)
     records = load_workload(inputs)
+    if inputs.workload:
+        models = checked_workload(records, config, inputs.workload)
+    else:
+        models = tuple(model_names(records))
     train_set, test_set = split(records)
-    models = tuple(model_names(records))  # only models every record labels can be columns
     if not train_set or not models:
         raise ValueError("the workload has no training records")
+    out_dir.mkdir(parents=True, exist_ok=True)
     log.info("workload: %d records (%d train, %d test), models %s", len(records), len(train_set), len(test_set), models)
 
     progress("exporting the MiniLM embedder to ONNX")
@@ -381,6 +438,17 @@ def ensure_built(config, models_dir: Path | None = None, *, workload: str | None
     except ArtefactError as e:
         log.info("building the estimator artefacts now (%s)", e)
         return train(config, models_dir, workload=workload, trace_files=trace_files, progress=progress)
+    built_from = manifest["inputs"]["workload"]
+    if inputs.workload is None and "path" in built_from:  # a user's labels: never rebuilt from synthetic data
+        if not Path(built_from["path"]).is_file():
+            log.warning("the estimators in %s were built from %s, which is gone: kept as they are (no TPOT head "
+                        "is fitted for a new tier)", models_dir, built_from["path"])
+            say_headless(inputs.tiers, manifest)
+            return manifest
+        log.info("the estimators in %s were built from %s: kept (set [estimators] workload to build from "
+                 "another file)", models_dir, built_from["path"])
+        inputs = dataclasses.replace(inputs, workload=built_from["path"])
+        workload = inputs.workload
     if manifest["inputs"] != inputs.fingerprint():
         log.info("estimator artefacts in %s come from another workload, seed, max_tokens or package versions: "
                  "rebuilding", models_dir)
@@ -414,6 +482,8 @@ def format_report(manifest: dict) -> str:
     for m in k["quality_always"]:
         lines.append(f"  {m:<30} {k['quality_always'][m]:>14.3f} {k['length_mean'][m]:>12.1f} "
                      f"{k['length_mae'][m]:>11.1f}")
+    if k.get("routing"):
+        lines += format_routing(k["routing"])
     lines.append("TPOT heads vs static prior (held-out traces)")
     lines.append("  tier                                     head MAE   MAPE   prior MAE   MAPE   rows  source")
     for tier, h in r["heads"].items():
