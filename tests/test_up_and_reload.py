@@ -113,6 +113,16 @@ def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
     assert "server.port" in proc.stderr
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops `up`; killed if it has not gone within 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def test_up_listens_while_it_builds_and_says_how_far_it_is(tmp_path):
     """A first `up`: the port answers at once (/health 200 "building" with the build's progress,
     /health/ready 503, requests an OpenAI-shaped 503 with Retry-After), and the gateway serves once built."""
@@ -142,12 +152,7 @@ def test_up_listens_while_it_builds_and_says_how_far_it_is(tmp_path):
         assert "build: embedding the training prompts" in text and "estimators built in" in text, text[-3000:]
         assert (models / "manifest.json").is_file()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        interrupt(proc)
 
 
 def _free_run(n: int) -> int:
@@ -200,9 +205,4 @@ def test_a_port_clash_names_the_instance_and_the_option_that_moves_the_emulator(
         assert client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=3).choices
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        interrupt(proc)

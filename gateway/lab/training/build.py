@@ -49,9 +49,7 @@ import xgboost as xgb
 
 from gateway.artefacts import ArtefactError
 from gateway.config.sections import Instance
-from gateway.core.budget import predicted_cost, price_arrays
 from gateway.core.engine.profiles import arch_for
-from gateway.core.scoring import eq1
 from gateway.core.view import tier_key
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
@@ -66,7 +64,7 @@ from gateway.estimators.manifest import (
     write_manifest,
 )
 from gateway.estimators.minilm_export import export_minilm_onnx
-from gateway.lab.training.routing_report import format_routing, routing_report
+from gateway.lab.training.routing_report import format_routing, picks, pool_columns, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
 from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
 
@@ -281,23 +279,13 @@ def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], config
 
 def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], config) -> float | None:
     """Mean label of the models Eq. 1 picks per prompt at the config's `quality` preset (always there:
-    presets merge over the defaults) on an idle pool (latency: the tier's static prior x predicted
-    length), over the models the pool has; None if the pool has none of the labelled models."""
-    first = {i.model: i for i in reversed(config.instances)}
-    cols = [j for j, m in enumerate(est.models) if m in first]
-    if not cols:
+    presets merge over the defaults) on an idle pool (routing_report.picks), over the models the pool has;
+    None if the pool has none of the labelled models."""
+    if not pool_columns(config, est.models)[0]:
         return None
     preset = config.weights("quality")
-    weights = (preset.quality, preset.latency, preset.cost)
-    pool = [first[est.models[j]] for j in cols]
-    price_in, price_out = price_arrays(pool)
-    tpot = np.array([i.tpot_prior_ms / 1000 for i in pool])
-    picks = []
-    for r, record in enumerate(test):
-        length = est.length[r, cols]
-        cost = predicted_cost(record.input_len, length, price_in, price_out)
-        picks.append(cols[int(np.argmax(eq1(weights, est.quality[r, cols], cost, tpot * length)))])
-    return float(quality[np.arange(len(test)), picks].mean())
+    chosen = picks(est, test, config, (preset.quality, preset.latency, preset.cost))
+    return float(quality[np.arange(len(test)), chosen].mean())
 
 
 def tier_lengths(records: list[Record], model: str, seed: int) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ from gateway.records import Record
 PER = 1000  # requests a cost is given for
 
 
-def _pool(config, models: tuple[str, ...]) -> tuple[list[int], list]:
+def pool_columns(config, models: tuple[str, ...]) -> tuple[list[int], list]:
     """The estimate's columns the pool serves, and one instance of each (the first in the config)."""
     first = {i.model: i for i in reversed(config.instances)}
     cols = [j for j, m in enumerate(models) if m in first]
@@ -32,7 +32,7 @@ def _pool(config, models: tuple[str, ...]) -> tuple[list[int], list]:
 
 def picks(est: KnnEstimate, test: list[Record], config, weights: tuple[float, float, float]) -> np.ndarray:
     """The model column Eq. 1 picks for each prompt at these weights."""
-    cols, pool = _pool(config, est.models)
+    cols, pool = pool_columns(config, est.models)
     price_in, price_out = price_arrays(pool)
     tpot = np.array([i.tpot_prior_ms / 1000 for i in pool])
     out = np.empty(len(test), dtype=np.int64)
@@ -71,7 +71,7 @@ def hull_quality(hull: list[tuple[float, float]], cost: float) -> float:
 def routing_report(est: KnnEstimate, test: list[Record], config, seed: int = 0) -> dict | None:
     """Presets, single models and the oracle on the held-out prompts (None if the pool serves no labelled
     model)."""
-    cols, pool = _pool(config, est.models)
+    cols, pool = pool_columns(config, est.models)
     if not cols or not test:
         return None
     rows = np.arange(len(test))
