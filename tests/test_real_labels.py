@@ -57,6 +57,22 @@ def test_a_users_labels_train_the_index_and_up_and_serve_keep_it(real_lines, tmp
     assert estimators.knn.models == ("Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
                                      "Qwen/Qwen2.5-14B-Instruct", "Qwen/Qwen2.5-72B-Instruct")
     assert float(estimators.knn.length.max()) <= 1024
+    # every record trains the served estimators; the report is out of fold, with the choice made in the folds
+    report = manifest["report"]["knn"]
+    records = read_jsonl(file)
+    assert estimators.knn.index.ntotal == len(records) == report["prompts"]
+    assert len(report["chosen_in_folds"]) >= 1 and report["repeats"] == config.estimators.cv_repeats
+    assert set(report["routing"]["routed"]) >= {"preset quality", "mix 0.8:0.2", "task 0.8:0.2"}  # two tasks
+    # serve routes on what train chose: the learned heads where a head won, the KNN's own estimate otherwise
+    served = report["served"]
+    assert (estimators.quality_head is not None) == served["quality"].startswith(("logistic", "low-rank"))
+    assert (estimators.length_head is not None) == served["length"].startswith("ridge")
+    x = estimators.embedder.embed([r.prompt for r in records[:5]])
+    est = estimators.estimate_embedded(x)
+    expected = (estimators.quality_head.predict(x) if estimators.quality_head is not None
+                else estimators.knn.estimate(x, shrink=served["shrink"]).quality)
+    assert est.quality == pytest.approx(expected)
+    assert estimators.knn.k == manifest["knn"]["k"]
 
 
 def test_what_a_workload_file_gets_wrong_is_said_before_anything_is_built(real_lines, tmp_path, caplog):
@@ -107,7 +123,6 @@ def test_the_command_line_exits_2_naming_the_models(real_lines, tmp_path):
 def test_the_hull_of_single_models_and_a_router_that_knows_the_labels_lies_above_it():
     import numpy as np
 
-    from gateway.estimators.knn import KnnEstimate
     from gateway.lab.training.routing_report import hull_quality, routing_report, upper_hull
     from gateway.records import ModelLabel, Record
 
@@ -123,13 +138,21 @@ def test_the_hull_of_single_models_and_a_router_that_knows_the_labels_lies_above
     test = [Record(id=str(k), prompt=f"p{k}", kind="x", input_len=50,
                    models={small: ModelLabel(float(s), 100), big: ModelLabel(float(b), 100)})
             for k, (s, b) in enumerate(right)]
-    knowing = KnnEstimate((small, big), np.array(right, dtype=float), np.full((200, 2), 100.0),
-                          np.zeros((200, 1), dtype=np.int64))
-    report = routing_report(knowing, test, config)
+    knowing = np.array(right, dtype=float)[None]
+    blind = np.tile([0.5, 0.8], (1, 200, 1))  # each model's mean: the same pick for every prompt
+    lengths = np.full((1, 200, 2), 100.0)
+    report = routing_report(knowing, lengths, test, config, (small, big))
     assert report["best_single"] == big
-    q = report["presets"]["quality"]
+    q = report["routed"]["preset quality"]
     # knowing each prompt's labels, the quality preset takes the small model where it is right: better than
     # the big one alone, for less, and above the line between the two single models
     assert q["quality"] >= report["singles"][big]["quality"] and q["usd_per_1k"] < report["singles"][big]["usd_per_1k"]
-    assert q["above_hull"] > 0.05 and q["vs_best"]["usd_per_1k"][2] < 0
+    assert q["above_hull"] > 0.05 and q["vs_best"]["usd_per_1k"][2] < 0 and q["dominated_by"] == []
     assert report["oracle"]["quality"] == pytest.approx(np.mean([max(s, b) for s, b in right]))
+    # the same picks for every prompt are a single model: on the hull, and dominated by that model
+    mix = routing_report(blind, lengths, test, config, (small, big))["routed"]["mix 0.8:0.2"]
+    assert mix["above_hull"] == pytest.approx(0.0, abs=1e-9) and mix["dominated_by"] in ([small], [big])
+    # repeats average per prompt: a second repeat that knows nothing halves the gain over the oracle's picks
+    both = routing_report(np.concatenate([knowing, blind]), np.concatenate([lengths, lengths]), test, config,
+                          (small, big))["routed"]["mix 0.8:0.2"]
+    assert both["quality"] == pytest.approx((report["routed"]["mix 0.8:0.2"]["quality"] + mix["quality"]) / 2)

@@ -345,6 +345,11 @@ class EstimatorsConfig(Section):
     # are built from; unset: the synthetic one. Estimators built from a file are never rebuilt from
     # synthetic data: `up` and `sim` keep them when this is unset.
     workload: str | None = option(None, nonempty=True)
+    # A workload file's labels are scarce, so every record trains the served estimators, and the report
+    # comes from repeated k-fold (cv_repeats x cv_folds), each prompt predicted by estimators that never saw
+    # it; the same folds choose among the candidate estimators (estimators/crossfit.py).
+    cv_folds: int = option(5, ge=2, le=20)
+    cv_repeats: int = option(3, ge=1, le=20)
     # The synthetic workload's quality labels: "graded" scores in [0, 1], or "binary" 0/1
     # judgements drawn from them (as real data sets often label answers).
     labels: Literal["graded", "binary"] = "graded"

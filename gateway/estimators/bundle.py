@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.artefacts import ArtefactError
 from gateway.core.request import Estimates
 from gateway.core.view import tier_key
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
-from gateway.estimators.knn import KnnEstimate, KnnEstimator
+from gateway.estimators.heads import LengthHeads, QualityHeads, load_heads
+from gateway.estimators.knn import K, KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
 from gateway.estimators.manifest import check_versions, read_manifest, verify
 from gateway.policies.eldr import centroids
@@ -20,11 +22,19 @@ log = logging.getLogger(__name__)
 
 
 class Estimators:
+    """The embedder, the KNN index (the paper's estimate, and what the pipeline policies and ELDR read), and
+    the quality and length estimates `train` chose on the user's labels (estimators/crossfit.py): the KNN's
+    own, or learned heads (estimators/heads.py) in their place."""
+
     def __init__(self, embedder: Embedder, knn: KnnEstimator, heads: LatencyHeads, manifest: dict,
-                 models_dir: Path | None = None):
+                 models_dir: Path | None = None, quality_head: QualityHeads | None = None,
+                 length_head: LengthHeads | None = None, shrink: bool = True):
         self.embedder = embedder
         self.knn = knn
         self.heads = heads
+        self.quality_head = quality_head
+        self.length_head = length_head
+        self.shrink = shrink
         self.manifest = manifest
         self.models_dir = models_dir  # where fitted extras (ELDR's centroids) are kept; None: in memory only
         self._warned: list[str] = []
@@ -42,18 +52,34 @@ class Estimators:
         embedder = Embedder(models_dir / manifest["embedder"]["onnx"], default_tokenizer_path(),
                             max_tokens=est.max_tokens, threads=est.threads, batch_size=est.batch_size,
                             cache_entries=est.embed_cache_entries)
-        knn = KnnEstimator.load(models_dir, manifest["knn"])
+        chosen = manifest["knn"]
+        knn = KnnEstimator.load(models_dir, chosen, k=chosen.get("k", K))
+        quality_head = length_head = None
+        if "learned" in manifest:
+            quality_head, length_head = load_heads(models_dir / manifest["learned"]["file"])
+            for head in (quality_head, length_head):
+                if head is not None and head.models != knn.models:
+                    raise ArtefactError(f"{models_dir / manifest['learned']['file']}: heads for {head.models}, "
+                                        f"the index labels {knn.models}")
         heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
                                   {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})
         headless = sorted({tier_key(i.model, i.gpu) for i in config.instances} - manifest["heads"].keys())
         if headless:
             log.warning("no TPOT head for %s in %s: priced with their tpot_prior_ms until `routebalance train "
                         "--if-stale` fits them (seconds)", ", ".join(headless), models_dir)
-        return cls(embedder, knn, heads, manifest, models_dir)
+        return cls(embedder, knn, heads, manifest, models_dir, quality_head, length_head,
+                   shrink=chosen.get("shrink", True))
+
+    def estimate_embedded(self, embeddings: np.ndarray) -> KnnEstimate:
+        """Quality and length per labelled model for embedded prompts, from the chosen estimators."""
+        est = self.knn.estimate(embeddings, shrink=self.shrink)
+        quality = self.quality_head.predict(embeddings) if self.quality_head is not None else est.quality
+        length = self.length_head.predict(embeddings) if self.length_head is not None else est.length
+        return KnnEstimate(est.models, quality, length, est.neighbours)
 
     def estimate(self, prompts: list[str]) -> KnnEstimate:
         """Quality and length per pool model for a batch: one embed call, one FAISS search."""
-        return self.knn.estimate(self.embedder.embed(prompts))
+        return self.estimate_embedded(self.embedder.embed(prompts))
 
     def for_instances(self, prompts: list[str], instances) -> Estimates:
         """Estimates with one column per instance (its model's prediction).
@@ -63,7 +89,7 @@ class Estimators:
         still routable; retrain to give it its own labels.
         """
         embeddings = self.embedder.embed(prompts)
-        est = self.knn.estimate(embeddings)
+        est = self.estimate_embedded(embeddings)
         column = {m: j for j, m in enumerate(est.models)}
         missing = sorted({i.model for i in instances} - column.keys())
         if missing and missing != self._warned:

