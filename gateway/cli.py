@@ -1,5 +1,5 @@
-"""`routebalance` command line: serve | emulate | up | keys | policies, and the lab's commands (train | profile |
-bench | sim | calibrate | train-policy, gateway/lab/cli.py), imported only when one of them is asked for."""
+"""`routebalance` command line: serve | emulate | up | keys | labels | policies, and the lab's commands (train |
+profile | bench | sim | calibrate | train-policy, gateway/lab/cli.py), imported only when one of them is asked for."""
 
 from __future__ import annotations
 
@@ -288,6 +288,107 @@ def format_keys(keys, spends) -> str:
     return "\n".join(lines)
 
 
+def cmd_labels(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.learning.store import LabelStore, LabelStoreError
+
+    config = load_config(args.config)
+    path = Path(config.learning.path)
+    if not path.exists():  # not created here: a read must not leave an empty store behind
+        print(f"no labels yet: {path} does not exist (relative paths are to the working directory; the "
+              f"gateway writes it while it serves, with [learning] enabled)")
+        return 0 if args.labels_command == "stats" else 1
+    try:
+        store = LabelStore(path, config.learning.max_labels)
+    except LabelStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        if args.labels_command == "stats":
+            print(format_label_stats(store.stats(), path))
+            return 0
+        return _export_labels(store, config, args)
+    except LabelStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+
+
+def format_label_stats(stats, path: Path) -> str:
+    """`labels stats`: what the store holds, by source and model."""
+    from datetime import UTC, datetime
+
+    from gateway.learning.labels import SOURCES
+
+    def when(t: float | None) -> str:
+        return "-" if t is None else datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+    lines = [f"{stats.total} labels in {path} (at most {stats.max_labels}), for {stats.prompts} prompts "
+             f"({stats.prompts_with_text} with their text)",
+             f"oldest {when(stats.oldest)}, newest {when(stats.newest)}"]
+    if stats.total:
+        width = max(5, *(len(m) for m in stats.by_model))
+        lines.append("")
+        lines.append(f"{'model':<{width}} " + " ".join(f"{s:>9}" for s in SOURCES))
+        for model, counts in stats.by_model.items():
+            lines.append(f"{model:<{width}} " + " ".join(f"{counts.get(s, 0):>9}" for s in SOURCES))
+        lines.append(f"{'all':<{width}} " + " ".join(f"{stats.by_source.get(s, 0):>9}" for s in SOURCES))
+    if stats.lengths:
+        lines.append(f"\nanswer lengths: {stats.lengths}, of which {stats.censored_lengths} censored "
+                     f"({stats.censored_share:.1%}: cut by max_tokens, a budget or a client leaving)")
+    return "\n".join(lines)
+
+
+def _export_labels(store, config, args) -> int:
+    from gateway.tokens import TokenCounter
+
+    models = args.models or store.quality_models()
+    if not models:
+        print("nothing to export: no model has a quality label yet (feedback, a judge or a file)", file=sys.stderr)
+        return 1
+    summary = store.export(args.out, config.learning.source_weights, TokenCounter().count, models)
+    print(f"exported {summary.exported} prompts labelled for {', '.join(models)}"
+          + (f" to {args.out}" if summary.exported else "; no file written"))
+    if summary.censored_lengths:
+        print(f"{summary.censored_lengths} labels have only a censored length (every answer seen was cut): "
+              f"marked \"length_censored\": true")
+    if summary.left_out:
+        print(f"left out {sum(summary.left_out.values())} prompts:")
+        for why, n in summary.left_out.most_common():
+            print(f"  {n:>7}  {why}")
+    return 0 if summary.exported else 1
+
+
+def cmd_refresh(args) -> int:
+    """Ask the running gateway (the config's host and port, its admin token) to refresh or roll back."""
+    import json
+
+    import httpx
+
+    from gateway.config.store import load_config
+
+    config = load_config(args.config)
+    server = config.server
+    if server.admin_token is None:
+        print("error: the gateway's admin endpoints are off: set [server].admin_token", file=sys.stderr)
+        return 2
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+    url = f"http://{host}:{server.port}/admin/{'rollback' if args.rollback else 'refresh'}"
+    try:
+        reply = httpx.post(url, headers={"Authorization": f"Bearer {server.admin_token}"}, timeout=args.timeout)
+    except httpx.HTTPError as e:
+        print(f"error: no answer from the gateway at {url}: {e}", file=sys.stderr)
+        return 1
+    try:
+        body = reply.json()
+    except ValueError:
+        print(reply.text)
+        return 1
+    print(json.dumps(body, indent=2))
+    return 0 if reply.is_success and body.get("accepted", True) else 1
+
+
 def cmd_policies(args) -> int:
     from gateway.policies import registry
 
@@ -296,7 +397,7 @@ def cmd_policies(args) -> int:
 
 
 def add_commands(sub) -> None:
-    """The serving side's own commands besides serve | emulate | up: keys and policies."""
+    """The serving side's own commands besides serve | emulate | up: keys, labels and policies."""
     sub.add_parser("policies", help="list the registered routing policies (a Markdown table)")
     p = sub.add_parser("keys", help="API keys: add one (printed once, only its hash stored), list spend per key")
     keys = p.add_subparsers(dest="keys_command", required=True)
@@ -313,9 +414,27 @@ def add_commands(sub) -> None:
                    help="presets the key may ask for (default: all)")
     p = keys.add_parser("list", help="each configured key with its limits and its spend this period")
     config_option(p)
+    p = sub.add_parser("refresh", help="fold the stored labels into the running gateway's estimators now "
+                                       "(POST /admin/refresh), or --rollback to the version before")
+    config_option(p)
+    p.add_argument("--rollback", action="store_true", help="return to the estimators' previous version instead")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for the gateway's answer (a refresh embeds the new prompts; default 600)")
+    p = sub.add_parser("labels", help="the labels learned from traffic ([learning]): counts, or export them "
+                                      "as a workload file for `train`")
+    labels = p.add_subparsers(dest="labels_command", required=True)
+    p = labels.add_parser("stats", help="labels by source and model, censored lengths, oldest and newest")
+    config_option(p)
+    p = labels.add_parser("export", help="write the prompts labelled for every chosen model as JSON Lines "
+                                         "that `routebalance train --workload FILE` reads")
+    config_option(p)
+    p.add_argument("--out", type=Path, required=True, help="the workload file to write (replaced)")
+    p.add_argument("--models", nargs="+", metavar="MODEL",
+                   help="models to export (default: every model with a quality label); a prompt is exported "
+                        "only with a score and a length for each")
 
 
-COMMANDS = {"policies": cmd_policies, "keys": cmd_keys}
+COMMANDS = {"policies": cmd_policies, "keys": cmd_keys, "labels": cmd_labels, "refresh": cmd_refresh}
 SERVING = ("serve", "emulate", "up")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -152,6 +152,7 @@ def pool_config(tmp: Path, models_dir: str | None = None, **overrides) -> Path:
     else:
         data["scheduler"]["policy"] = "passthrough+round_robin"
     data["server"]["port"] = free_port()
+    data["learning"]["path"] = str(tmp / "labels.db")  # each stack its own label store
     for inst in data["instances"]:
         inst["url"] = f"http://127.0.0.1:{free_port()}"
     for section, values in overrides.items():

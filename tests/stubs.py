@@ -8,6 +8,7 @@ under test is the real one (started as `routebalance serve` starts it).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from gateway.tokens import TokenCounter
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 TOKEN = " w"  # one Qwen2.5 token: the stub's answers are this, repeated
 COUNTER = TokenCounter()
+_IDS = itertools.count(1)  # completion ids, unique as a server's are (feedback names a completion by its id)
 
 
 @dataclass
@@ -73,15 +75,16 @@ class Stub:
         prompt = COUNTER.count_chat(body["messages"], body.get("tools") or ()) if "messages" in body else 10
         usage = {"prompt_tokens": prompt, "completion_tokens": tokens * n, "total_tokens": prompt + tokens * n}
         send_usage = mode.get("usage", True)
+        rid = f"chatcmpl-stub-{next(_IDS)}"
         if not body.get("stream"):
             choices = [{"index": i, "message": {"role": "assistant", "content": TOKEN * tokens},
                         "finish_reason": last} for i in range(n)]
-            answer = {"id": "stub", "object": "chat.completion", "created": 1, "model": body["model"],
+            answer = {"id": rid, "object": "chat.completion", "created": 1, "model": body["model"],
                       "choices": choices, **({"usage": usage} if send_usage else {})}
             return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        head = {"id": "stub", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
+        head = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
         for k in range(tokens):
             if mode.get("cut") is not None and k == mode["cut"]:
                 request.transport.close()  # the instance dies mid-answer
@@ -107,6 +110,7 @@ def stub_instance(stub: Stub, name: str, **overrides) -> dict:
 def stub_config(tmp: Path, stubs: list[Stub], instances: list[dict] | None = None, **sections) -> Path:
     """A config of the stubs (passthrough+round_robin: no estimators needed) with `sections` merged in."""
     data: dict = {"server": {"port": free_port(), "config_watch_interval_s": 0.2},
+                  "learning": {"path": str(tmp / "labels.db")},
                   "scheduler": {"policy": "passthrough+round_robin"},
                   "telemetry": {"scrape_interval_s": 60.0, "stale_after_s": 120.0},
                   "instances": instances or [stub_instance(s, f"stub-{k}") for k, s in enumerate(stubs)]}

@@ -13,6 +13,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",

@@ -33,6 +33,7 @@ __all__ = [
     "AuthConfig",
     "HealthConfig",
     "Instance",
+    "LearningConfig",
     "MoeConfig",
     "SchedulerConfig",
     "SloConfig",
@@ -154,6 +155,8 @@ class ApiKey(Section):
     presets: tuple[str, ...] = ()  # presets it may ask for; empty: all
     slo_s: float | None = option(None, gt=0)  # end-to-end SLO of its requests that name none
     tpot_slo_ms: float | None = option(None, gt=0)  # time-per-output-token bound of its requests that name none
+    # false: its traffic stays out of learning ([learning]): no answer lengths stored, feedback refused (403).
+    learn: bool = True
 
     def _validate(self) -> None:
         if not _SHA256.fullmatch(self.sha256):
@@ -194,6 +197,62 @@ class StateConfig(Section):
     sync_interval_s: float = option(0.25, gt=0)  # how often a replica publishes its share and reads the others'
     timeout_s: float = option(0.5, gt=0)  # each Redis call, connecting included
     prefix: str = option("routebalance:", nonempty=True)  # of every Redis key, so gateways can share a server
+
+
+DEFAULT_SOURCE_WEIGHTS: Mapping[str, float] = types.MappingProxyType({"file": 1.0, "judge": 0.7, "feedback": 0.5})
+
+
+@section
+class LearningConfig(Section):
+    """Labels from the gateway's own traffic (docs/operations/learning.md): each answer's length, and the
+    scores clients give their own completions (POST /v1/feedback), kept in a label store that
+    `routebalance labels export` turns into a workload file for `train`. `enabled`, `path` and
+    `length_queue` are read at start (a change takes a restart); the rest applies from a reload on."""
+
+    enabled: bool = True
+    path: str = option("data/labels.db", nonempty=True)  # SQLite, relative to the working directory
+    # false: only each prompt's SHA-256 is kept, in memory and on disk (its labels cannot then be exported).
+    keep_prompt_text: bool = True
+    # Labels from traffic older than this are deleted (at start and hourly); a user's file labels are kept.
+    retention_days: float = option(90.0, gt=0)
+    # Rows the store holds at most; past it new labels are refused (lengths dropped and counted, feedback 503)
+    # rather than older ones pushed out.
+    max_labels: int = option(1_000_000, ge=1)
+    # Completion ids a client may still rate, held in memory: at most this many, for this long, with at most
+    # this much prompt text (characters) between them; the oldest are forgotten first.
+    max_completions: int = option(100_000, ge=1)
+    completion_ttl_s: float = option(86400.0, gt=0)
+    max_completion_text_chars: int = option(64_000_000, ge=0)
+    # Answer lengths waiting for the store's writer; past it new ones are dropped (counted), never held.
+    length_queue: int = option(10_000, ge=1)
+    feedback_rate_per_min: int = option(60, ge=1)  # feedback calls per API key (or anonymous client address)
+    feedback_max_bytes: int = option(4096, ge=64)  # a feedback body larger than this is refused (413)
+    # How much each quality source counts when an export combines them into one score (a weighted mean of
+    # the sources present, each on its own scale; 0 leaves a source out). Merged over the defaults.
+    source_weights: Mapping[str, float] = option(factory=lambda: DEFAULT_SOURCE_WEIGHTS)
+    # A refresh folds the stored labels into the estimators without a restart (POST /admin/refresh, or every
+    # refresh_interval_s; 0: on request only): corrections of the built estimates, heads for new models.
+    refresh_interval_s: float = option(0.0, ge=0)
+    min_labels: int = option(20, ge=1)  # quality labels a new model needs before it gets its own quality head
+    # A refit whose out-of-fold routing (above the single models' hull) is worse than the estimators `train`
+    # chose by more than this is refused; refresh_check_rows built prompts are checked at most.
+    refresh_tolerance: float = option(0.01, ge=0)
+    refresh_check_rows: int = option(2000, ge=100)
+    max_versions: int = option(5, ge=2)  # refits kept on disk for rollback (oldest deleted first)
+    # A pool model without labels is routed on a pessimistic prior and offered, to be explored, on at most this
+    # share of requests, within this much predicted spend per UTC day (serving/explore.py).
+    explore_share: float = option(0.05, ge=0, le=1)
+    explore_usd_per_day: float = option(1.0, ge=0)
+
+    def _validate(self) -> None:
+        for source, weight in self.source_weights.items():
+            if source not in DEFAULT_SOURCE_WEIGHTS:
+                raise ConfigError(f"unknown source {source!r} (known: {', '.join(DEFAULT_SOURCE_WEIGHTS)})",
+                                  f"source_weights.{source}")
+            if not 0 <= weight < float("inf"):
+                raise ConfigError(f"must be a finite number >= 0, got {weight!r}", f"source_weights.{source}")
+        set_normalised(self, "source_weights", types.MappingProxyType({**DEFAULT_SOURCE_WEIGHTS,
+                                                                       **self.source_weights}))
 
 
 @section
@@ -468,6 +527,7 @@ class Config(Section):
     batching: BatchingConfig = BatchingConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     estimators: EstimatorsConfig = EstimatorsConfig()
+    learning: LearningConfig = option(factory=LearningConfig)
     # [emulator]: the emulated pool's settings; lab code reads and checks them (gateway/lab/emulator/settings.py).
     emulator: Mapping[str, Any] = option(factory=lambda: types.MappingProxyType({}))
     progressive: ProgressiveConfig = ProgressiveConfig()

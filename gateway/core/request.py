@@ -32,6 +32,7 @@ class RouteRequest:
     tpot_slo_s: float | None = None  # bound on the time per output token (end-to-end / answer tokens)
     slo_class: str = "none"  # the class slo_s falls in (core/slo.py), for metrics and grouping
     to_max_tokens: bool = False  # the answer runs to max_tokens (vLLM's ignore_eos, no stop strings)
+    explore: bool = True  # may be sent to a model without labels to learn about it (its key learns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,8 @@ class Ticket:
     plan: DispatchPlan | None = None  # the plan it was booked on (its first attempt's, if nothing changed)
     first_token_at: float | None = None  # when its first answer token came back (a stream's client saw it)
     evictions: int = 0  # times a policy aborted its attempt and held it again
+    estimated_by: int | None = None  # the version of the estimators whose estimates decided it (a header says)
+    explored: bool = False  # its estimates offered it a model without labels, to explore (serving/explore.py)
 
     @property
     def evictable(self) -> bool:

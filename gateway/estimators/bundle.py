@@ -15,6 +15,7 @@ from gateway.estimators.heads import LengthHeads, QualityHeads, load_heads
 from gateway.estimators.knn import K, KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads
 from gateway.estimators.manifest import check_versions, read_manifest, verify
+from gateway.estimators.refit import TrafficFit, load_traffic_fit
 from gateway.policies.eldr import centroids
 from gateway.policies.qos.actor import QosActor
 
@@ -24,7 +25,10 @@ log = logging.getLogger(__name__)
 class Estimators:
     """The embedder, the KNN index (the paper's estimate, and what the pipeline policies and ELDR read), and
     the quality and length estimates `train` chose on the user's labels (estimators/crossfit.py): the KNN's
-    own, or learned heads (estimators/heads.py) in their place."""
+    own, or learned heads (estimators/heads.py) in their place. A refresh (serving/refresh.py) adds what
+    traffic taught (estimators/refit.py): corrections of the built estimates, and heads for models the built
+    labels do not cover. `version` names the estimators that routed an answer (the manifest's, counting
+    refreshes)."""
 
     def __init__(self, embedder: Embedder, knn: KnnEstimator, heads: LatencyHeads, manifest: dict,
                  models_dir: Path | None = None, quality_head: QualityHeads | None = None,
@@ -36,6 +40,11 @@ class Estimators:
         self.length_head = length_head
         self.shrink = shrink
         self.manifest = manifest
+        self.version = int(manifest.get("version", 1))
+        self.traffic_fit: TrafficFit | None = None  # a refresh's; None as built
+        # model -> (traffic quality labels, their summed score) for models estimated by no head or index: the
+        # posterior that exploration draws from (set by a refresh; empty until the first).
+        self.traffic_labels: dict[str, tuple[int, float]] = {}
         self.models_dir = models_dir  # where fitted extras (ELDR's centroids) are kept; None: in memory only
         self._warned: list[str] = []
         self._centroids: dict[tuple[int, int, int], np.ndarray] = {}
@@ -54,28 +63,69 @@ class Estimators:
                             cache_entries=est.embed_cache_entries)
         chosen = manifest["knn"]
         knn = KnnEstimator.load(models_dir, chosen, k=chosen.get("k", K))
-        quality_head = length_head = None
+        quality_head = length_head = traffic_fit = None
+        if "refreshed" in manifest:
+            traffic_fit = load_traffic_fit(models_dir / manifest["refreshed"]["file"])
         if "learned" in manifest:
             quality_head, length_head = load_heads(models_dir / manifest["learned"]["file"])
             for head in (quality_head, length_head):
-                if head is not None and head.models != knn.models:
-                    raise ArtefactError(f"{models_dir / manifest['learned']['file']}: heads for {head.models}, "
-                                        f"the index labels {knn.models}")
+                if head is not None and head.features != knn.index.d:
+                    raise ArtefactError(f"{models_dir / manifest['learned']['file']}: heads on {head.features} "
+                                        f"features, the index embeds in {knn.index.d}")
         heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
                                   {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})
         headless = sorted({tier_key(i.model, i.gpu) for i in config.instances} - manifest["heads"].keys())
         if headless:
             log.warning("no TPOT head for %s in %s: priced with their tpot_prior_ms until `routebalance train "
                         "--if-stale` fits them (seconds)", ", ".join(headless), models_dir)
-        return cls(embedder, knn, heads, manifest, models_dir, quality_head, length_head,
-                   shrink=chosen.get("shrink", True))
+        out = cls(embedder, knn, heads, manifest, models_dir, quality_head, length_head,
+                  shrink=chosen.get("shrink", True))
+        out.traffic_fit = traffic_fit
+        running = [v for v in manifest.get("versions", []) if v["version"] == out.version]
+        if running and running[0].get("traffic"):  # a refreshed version: what exploration has learned so far
+            out.traffic_labels = {m: (int(n), float(score)) for m, (n, score) in running[0]["traffic"].items()}
+        return out
 
-    def estimate_embedded(self, embeddings: np.ndarray) -> KnnEstimate:
-        """Quality and length per labelled model for embedded prompts, from the chosen estimators."""
-        est = self.knn.estimate(embeddings, shrink=self.shrink)
+    def refreshed(self, traffic_fit: TrafficFit | None, manifest: dict,
+                  traffic_labels: dict[str, tuple[int, float]] | None = None) -> Estimators:
+        """The same built estimators with another refresh on top (None: as built), for the caller to swap in."""
+        out = Estimators(self.embedder, self.knn, self.heads, manifest, self.models_dir, self.quality_head,
+                         self.length_head, self.shrink)
+        out.traffic_fit = traffic_fit
+        out.traffic_labels = dict(traffic_labels or {})
+        out._centroids = self._centroids
+        return out
+
+    def unlabelled(self, instances) -> dict[str, tuple[int, float]]:
+        """The pool's models without a quality estimate of their own, each with its traffic labels so far."""
+        known = set(self.knn.models) | set(self.traffic_fit.headed if self.traffic_fit is not None else ())
+        return {i.model: self.traffic_labels.get(i.model, (0, 0.0)) for i in instances if i.model not in known}
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models estimated: the index's, then any a refresh adds."""
+        extra = self.traffic_fit.models if self.traffic_fit is not None else ()
+        return self.knn.models + tuple(m for m in extra if m not in self.knn.models)
+
+    def built_estimate(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(quality, length) over the index's models as `train` built them (no refresh)."""
+        return self._built(self.knn.estimate(embeddings, shrink=self.shrink), embeddings)
+
+    def _built(self, est: KnnEstimate, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         quality = self.quality_head.predict(embeddings) if self.quality_head is not None else est.quality
         length = self.length_head.predict(embeddings) if self.length_head is not None else est.length
-        return KnnEstimate(est.models, quality, length, est.neighbours)
+        return quality, length
+
+    def estimate_embedded(self, embeddings: np.ndarray) -> KnnEstimate:
+        """Quality and length per model for embedded prompts: as built, then what a refresh added (NaN for a
+        model a refresh knows only partly)."""
+        est = self.knn.estimate(embeddings, shrink=self.shrink)
+        built_q, built_l = self._built(est, embeddings)
+        models = self.models
+        quality, length = _widened(built_q, len(models)), _widened(built_l, len(models))
+        if self.traffic_fit is not None:
+            self.traffic_fit.apply(embeddings, models, quality, length)
+        return KnnEstimate(models, quality, length, est.neighbours)
 
     def estimate(self, prompts: list[str]) -> KnnEstimate:
         """Quality and length per pool model for a batch: one embed call, one FAISS search."""
@@ -84,19 +134,24 @@ class Estimators:
     def for_instances(self, prompts: list[str], instances) -> Estimates:
         """Estimates with one column per instance (its model's prediction).
 
-        A model the labels do not cover gets the mean over the labelled models
-        (a prompt-blind stand-in), so a pool model added without retraining is
-        still routable; retrain to give it its own labels.
+        A model the labels do not cover is routable on a pessimistic prior: its
+        quality is the lowest of the labelled models' for that prompt (an unknown
+        model has not earned better), its length their mean. Exploration
+        (serving/explore.py) tries it on a bounded share of requests, and its
+        labels from traffic give it its own estimate at a refresh.
         """
         embeddings = self.embedder.embed(prompts)
         est = self.estimate_embedded(embeddings)
         column = {m: j for j, m in enumerate(est.models)}
         missing = sorted({i.model for i in instances} - column.keys())
         if missing and missing != self._warned:
-            log.warning("no quality/length labels for %s: using the mean over the labelled models", ", ".join(missing))
+            log.warning("no quality/length labels for %s: routed on the lowest labelled quality (explored on a bounded "
+                        "share of requests) until a refresh gives it its own estimate", ", ".join(missing))
             self._warned = missing
-        mean_q, mean_len = est.quality.mean(axis=1), est.length.mean(axis=1)
-        quality = np.column_stack([est.quality[:, column[i.model]] if i.model in column else mean_q for i in instances])
+        labelled = len(self.knn.models)  # the index labels every prompt for these: the stand-in's source
+        low_q, mean_len = est.quality[:, :labelled].min(axis=1), est.length[:, :labelled].mean(axis=1)
+        est = KnnEstimate(est.models, _filled(est.quality, low_q), _filled(est.length, mean_len), est.neighbours)
+        quality = np.column_stack([est.quality[:, column[i.model]] if i.model in column else low_q for i in instances])
         length = np.column_stack([est.length[:, column[i.model]] if i.model in column else mean_len for i in instances])
         return Estimates(quality, length, embeddings)
 
@@ -116,3 +171,16 @@ class Estimators:
     def qos_actor(path: str | Path) -> QosActor:
         """The qos-rl policy's ONNX actor (the core cannot import onnxruntime, so its policy asks here)."""
         return QosActor(path)
+
+
+def _widened(a: np.ndarray, columns: int) -> np.ndarray:
+    """`a` with NaN columns added up to `columns` (a copy: the heads write into it)."""
+    out = np.full((a.shape[0], columns), np.nan, dtype=np.float32)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+def _filled(a: np.ndarray, stand_in: np.ndarray) -> np.ndarray:
+    """NaN entries of `a` (n, m) replaced by the row's stand-in (n,)."""
+    gaps = np.isnan(a)
+    return np.where(gaps, stand_in[:, None], a) if gaps.any() else a

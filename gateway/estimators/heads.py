@@ -29,36 +29,41 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # no overflow for large |z|
 
 
-def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float) -> tuple[np.ndarray, float]:
-    """Weights and bias of p = sigmoid(x @ w + b), minimising the log-loss plus l2/2 |w|^2 (the bias is not
-    penalised). Labels may be graded scores in [0, 1] (the cross-entropy takes them as they are)."""
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float,
+                 sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Weights and bias of p = sigmoid(x @ w + b), minimising the (weighted) log-loss plus l2/2 |w|^2 (the bias
+    is not penalised). Labels may be graded scores in [0, 1] (the cross-entropy takes them as they are)."""
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
+    sw = np.ones(len(y)) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
     d = x.shape[1]
 
     def loss(theta: np.ndarray) -> tuple[float, np.ndarray]:
         w, b = theta[:d], theta[d]
         z = x @ w + b
         # log(1 + e^z) - y z, written so that neither large positive nor negative z overflows
-        value = float((np.logaddexp(0.0, z) - y * z).sum() + 0.5 * l2 * (w @ w))
-        r = _sigmoid(z) - y
+        value = float((sw * (np.logaddexp(0.0, z) - y * z)).sum() + 0.5 * l2 * (w @ w))
+        r = sw * (_sigmoid(z) - y)
         return value, np.concatenate([x.T @ r + l2 * w, [r.sum()]])
 
     start = np.zeros(d + 1)
-    mean = float(np.clip(y.mean(), 1e-3, 1 - 1e-3))
+    mean = float(np.clip(np.average(y, weights=sw), 1e-3, 1 - 1e-3))
     start[d] = np.log(mean / (1 - mean))
     theta = minimize(loss, start, jac=True, method="L-BFGS-B", options={"maxiter": 500}).x
     return theta[:d], float(theta[d])
 
 
-def fit_ridge(x: np.ndarray, y: np.ndarray, l2: float) -> tuple[np.ndarray, float]:
-    """Weights and bias of y ~ x @ w + b, minimising squared error plus l2 |w|^2 (closed form)."""
+def fit_ridge(x: np.ndarray, y: np.ndarray, l2: float,
+              sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Weights and bias of y ~ x @ w + b, minimising (weighted) squared error plus l2 |w|^2 (closed form)."""
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
-    centre = x.mean(axis=0)
+    sw = np.ones(len(y)) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+    centre = np.average(x, axis=0, weights=sw)
+    y_mean = float(np.average(y, weights=sw))
     xc = x - centre
-    w = np.linalg.solve(xc.T @ xc + l2 * np.eye(x.shape[1]), xc.T @ (y - y.mean()))
-    return w, float(y.mean() - centre @ w)
+    w = np.linalg.solve(xc.T @ (xc * sw[:, None]) + l2 * np.eye(x.shape[1]), xc.T @ (sw * (y - y_mean)))
+    return w, float(y_mean - centre @ w)
 
 
 def principal_directions(x: np.ndarray, rank: int) -> np.ndarray:
@@ -85,6 +90,11 @@ class QualityHeads:
         return cls(tuple(models), np.column_stack([w for w, _ in fitted]), np.array([b for _, b in fitted]),
                    projection)
 
+    @property
+    def features(self) -> int:
+        """The embedding size the head reads."""
+        return len(self.projection) if self.projection is not None else len(self.weights)
+
     def predict(self, x: np.ndarray) -> np.ndarray:
         features = x @ self.projection if self.projection is not None else x
         return _sigmoid(features @ self.weights + self.bias).astype(np.float32)
@@ -104,6 +114,10 @@ class LengthHeads:
         fitted = [fit_ridge(x, np.log1p(length[:, j]), l2) for j in range(length.shape[1])]
         return cls(tuple(models), np.column_stack([w for w, _ in fitted]), np.array([b for _, b in fitted]),
                    length.max(axis=0).astype(np.float64))
+
+    @property
+    def features(self) -> int:
+        return len(self.weights)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return np.clip(np.expm1(x @ self.weights + self.bias), 1.0, self.ceiling).astype(np.float32)

@@ -105,9 +105,11 @@ class KnnEstimate:
 
 class KnnEstimator:
     def __init__(self, index: faiss.Index, quality: np.ndarray, length: np.ndarray, models: tuple[str, ...],
-                 k: int = K, prior: ShrinkagePrior | None = None, input_tokens: np.ndarray | None = None):
+                 k: int = K, prior: ShrinkagePrior | None = None, input_tokens: np.ndarray | None = None,
+                 prompt_hashes: np.ndarray | None = None):
         """`input_tokens`: each training prompt's length (Avengers-Pro prices its clusters with them);
-        without them every prompt counts PROMPT_TOKENS."""
+        without them every prompt counts PROMPT_TOKENS. `prompt_hashes`: each training prompt's SHA-256
+        (gateway/learning/labels.py), so a refresh keeps a prompt out of the rows that test it ("" unknown)."""
         if quality.shape != length.shape or quality.shape != (index.ntotal, len(models)):
             raise ValueError(f"labels {quality.shape}/{length.shape} do not match index of "
                              f"{index.ntotal} x {len(models)} models")
@@ -120,16 +122,20 @@ class KnnEstimator:
                              else np.asarray(input_tokens, dtype=np.float32))
         if self.input_tokens.shape != (index.ntotal,):
             raise ValueError(f"input_tokens {self.input_tokens.shape} do not match index of {index.ntotal}")
+        self.prompt_hashes = (np.full(index.ntotal, "", dtype="<U64") if prompt_hashes is None
+                              else np.asarray(prompt_hashes, dtype="<U64"))
+        if self.prompt_hashes.shape != (index.ntotal,):
+            raise ValueError(f"prompt_hashes {self.prompt_hashes.shape} do not match index of {index.ntotal}")
         self.prior = prior if prior is not None else ShrinkagePrior.fit(index, self.quality, self.k)
         if any(np.shape(v) != (len(models),) for v in (self.prior.mean, self.prior.noise_var, self.prior.signal_var)):
             raise ValueError(f"shrinkage prior does not match the {len(models)} models")
 
     @classmethod
     def build(cls, embeddings: np.ndarray, quality: np.ndarray, length: np.ndarray, models, k: int = K,
-              input_tokens: np.ndarray | None = None) -> KnnEstimator:
+              input_tokens: np.ndarray | None = None, prompt_hashes: np.ndarray | None = None) -> KnnEstimator:
         index = faiss.IndexFlatIP(embeddings.shape[1])
         index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
-        return cls(index, quality, length, tuple(models), k, input_tokens=input_tokens)
+        return cls(index, quality, length, tuple(models), k, input_tokens=input_tokens, prompt_hashes=prompt_hashes)
 
     def estimate(self, embeddings: np.ndarray, shrink: bool = True) -> KnnEstimate:
         """One FAISS search for the whole batch; rows of `embeddings` must be L2-normalised.
@@ -151,7 +157,8 @@ class KnnEstimator:
         faiss.write_index(self.index, str(directory / "knn.faiss"))
         np.savez(directory / "knn_labels.npz", quality=self.quality, length=self.length, models=np.array(self.models),
                  prior_mean=self.prior.mean, prior_noise_var=self.prior.noise_var,
-                 prior_signal_var=self.prior.signal_var, input_tokens=self.input_tokens)
+                 prior_signal_var=self.prior.signal_var, input_tokens=self.input_tokens,
+                 prompt_hashes=self.prompt_hashes)
         return {"index": "knn.faiss", "labels": "knn_labels.npz"}
 
     @classmethod
@@ -166,10 +173,11 @@ class KnnEstimator:
                 quality, length, models = z["quality"], z["length"], tuple(str(m) for m in z["models"])
                 prior = ShrinkagePrior(z["prior_mean"], z["prior_noise_var"], z["prior_signal_var"])
                 input_tokens = z["input_tokens"]
+                prompt_hashes = z["prompt_hashes"] if "prompt_hashes" in z else None
         except (OSError, ValueError, KeyError) as e:
             raise ArtefactError(f"{labels_path}: cannot read KNN labels: {e}") from None
         try:
-            return cls(index, quality, length, models, k, prior, input_tokens)
+            return cls(index, quality, length, models, k, prior, input_tokens, prompt_hashes)
         except ValueError as e:
             raise ArtefactError(f"{labels_path}: {e}") from None
 

@@ -1,4 +1,4 @@
-"""The lab's commands: train | profile | bench | sim | calibrate | train-policy.
+"""The lab's commands: train | learning-curve | profile | bench | sim | calibrate | train-policy.
 
 gateway/cli.py registers them only when one of them (or the help) is asked for,
 so `routebalance serve` never imports the lab.
@@ -26,6 +26,22 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--workload", help="labelled JSONL (default: the synthetic workload)")
     p.add_argument("--traces", nargs="*", default=[], help="trace files from `profile` (default: virtual sweeps)")
     p.add_argument("--if-stale", action="store_true", help="rebuild only if missing, stale or corrupt")
+
+    p = sub.add_parser("learning-curve", help="replay a labelled file as traffic, learning from each answer's label "
+                                              "after it is scored: quality and cost against prompts served")
+    config_option(p)
+    p.add_argument("--workload", required=True, help="labelled JSONL whose prompts arrive as traffic")
+    p.add_argument("--seeds", type=int, default=5, help="arrival orders 0..N-1 (default 5)")
+    p.add_argument("--start", nargs="+", choices=("none", "synthetic"), default=["none", "synthetic"],
+                   help="what the estimators know before the first prompt (default: both)")
+    p.add_argument("--weights", default="0.8,0,0.2", help="Eq. 1 weights quality,latency,cost (default 0.8,0,0.2)")
+    p.add_argument("--refresh-every", type=int, default=50, help="prompts between refits (default 50)")
+    p.add_argument("--explore-share", type=float, default=0.1, help="share of prompts that explore (default 0.1)")
+    p.add_argument("--min-labels", type=int, default=20, help="labels a model needs for its own head (default 20)")
+    p.add_argument("--added", help="a model of the file that joins the pool late, unlabelled")
+    p.add_argument("--added-at", type=int, default=300, help="prompts served before it joins (default 300)")
+    p.add_argument("--block", type=int, default=100, help="prompts per row of the table (default 100)")
+    p.add_argument("--out", type=Path, help="write learning_curve{,_added}.{csv,png} there")
 
     p = sub.add_parser("profile", help="rate-sweep one live instance and record TPOT traces for `train`")
     config_option(p)
@@ -195,6 +211,22 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_learning_curve(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.lab.experiments.learning_curve import CurveSpec, run
+
+    weights = tuple(float(w) for w in args.weights.split(","))
+    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"--weights must be three numbers >= 0, not all 0: {args.weights!r}")
+    if args.seeds < 1 or args.refresh_every < 1 or args.block < 1 or not 0 <= args.explore_share <= 1:
+        raise ValueError("--seeds, --refresh-every and --block must be at least 1, --explore-share in [0, 1]")
+    total = sum(weights)
+    spec = CurveSpec(tuple(w / total for w in weights), args.refresh_every, args.explore_share, args.min_labels,
+                     args.added, args.added_at)
+    print(run(load_config(args.config), args.workload, args.seeds, spec, tuple(args.start), args.out, args.block))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from gateway.config.store import load_config
     from gateway.lab.training.bench import run_bench
@@ -338,4 +370,4 @@ def cmd_calibrate(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "train-policy": cmd_train_policy, "profile": cmd_profile, "bench": cmd_bench,
-            "sim": cmd_sim, "calibrate": cmd_calibrate}
+            "learning-curve": cmd_learning_curve, "sim": cmd_sim, "calibrate": cmd_calibrate}

@@ -26,11 +26,15 @@ from gateway.config.watch import watch_file
 from gateway.core.pool_state import PoolState
 from gateway.core.request import Completion, RouteRequest
 from gateway.policies import registry
+from gateway.serving.body import read_body
 from gateway.serving.dispatch import Attempt, CallDispatcher, DecidedCall
 from gateway.serving.driver import Scheduler, candidates_for, refusal_error
+from gateway.serving.feedback import FeedbackHandler
+from gateway.serving.learner import TrafficLearner
 from gateway.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.serving.metrics import GatewayMetrics
 from gateway.serving.progressive import PROGRESSIVE, FellBack, Progressive
+from gateway.serving.refresh import EstimatorRefresh
 from gateway.serving.telemetry import scrape_forever
 from gateway.state.link import RedisLink
 from gateway.state.sync import ReplicaSync
@@ -43,24 +47,6 @@ from gateway.tenancy.spend.sqlite import MemorySpendStore, SpendLedger, SpendSto
 from gateway.tokens import TokenCounter
 
 log = logging.getLogger("routebalance.gateway")
-
-
-async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    """The request body, refused with 413 past `limit` and 408 when it takes longer than
-    `timeout_s` to arrive (read per request, so a reload applies)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"request body too large (limit {limit} bytes)")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            while chunk := await request.content.read(65536):
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body too large (limit {limit} bytes)")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
-    return b"".join(chunks)
 
 
 def resolve_weights(cfg: Config, routing, key: ApiKey | None = None) -> tuple[float, float, float]:
@@ -117,6 +103,11 @@ class Gateway:
         if estimators is not None:
             self.metrics.watch_embed_cache(estimators.embedder.cache_counts)
         self.access = Access(store.current)
+        self.learner = TrafficLearner(store, self.metrics)
+        self.feedback_handler = FeedbackHandler(self.learner, self.access, self.metrics)
+        self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics)
+        if estimators is not None:
+            self.metrics.estimator_version.set(estimators.version)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
         self.link: RedisLink | None = None  # [state] backend = "redis": shared with the other replicas
         self.session: aiohttp.ClientSession | None = None
@@ -141,6 +132,8 @@ class Gateway:
             self._tasks += [loop.create_task(spend.run(cfg.state.sync_interval_s)),
                             loop.create_task(ReplicaSync(self.link, self.pool_state, self.store).run())]
         self._open_spend(cfg)
+        await self.learner.open()
+        self._tasks.append(loop.create_task(self.refresher.run_every()))
         self.scheduler.start()
 
     async def close(self) -> None:
@@ -154,6 +147,7 @@ class Gateway:
             await _within("closing the upstream connections", _CLOSE_TASKS_S, self.session.close())
         if self.spend is not None:
             await _within("writing the spend", _CLOSE_FLUSH_S + 0.5, self.spend.aclose(_CLOSE_FLUSH_S))
+        await _within("writing the labels", _CLOSE_FLUSH_S + 0.5, self.learner.close(_CLOSE_FLUSH_S))
         if self.link is not None:
             await _within("closing the redis link", _CLOSE_LINK_S, self.link.close())
 
@@ -180,6 +174,7 @@ class Gateway:
         except SpendStoreError as e:  # keyed requests are refused (503) until a reload opens it
             log.error("cannot open the spend ledger: %s", e)
         self.access.reconfigure(cfg)
+        self.learner.reconfigure(cfg)
         if not cfg.auth.keys and not anonymous_allowed(cfg.auth, self.host):
             log.warning("the config has no API keys and the gateway listens on %s: every request is refused "
                         "(401) until keys are added or [auth] allow_anonymous is set", self.host)
@@ -207,6 +202,8 @@ class Gateway:
         attempt = Attempt()
         slo: SloCheck | None = None
         spend: RequestSpend | None = None
+        key: ApiKey | None = None
+        call: DecidedCall | None = None  # a dispatched call: what its answer teaches is learned at the end
         policy = cfg.scheduler.policy
         self.metrics.in_flight.inc()
         try:
@@ -240,6 +237,7 @@ class Gateway:
                 tpot_slo_s=slo.tpot_slo_s,
                 slo_class=slo.slo_class,
                 to_max_tokens=req.runs_to_max_tokens,
+                explore=key is None or key.learn,
             )
             if req.routing.mode == "progressive":
                 served = await self.progressive.serve(request, cfg, req, spend, routed)
@@ -257,7 +255,8 @@ class Gateway:
                 if refused.code == "insufficient_budget" and spend.limited_by_key():
                     raise spend.refusal()
                 raise refusal_error(refused)
-            resp = await self.dispatcher.serve(DecidedCall(ticket, req, spend, route, request, slo, attempt))
+            call = DecidedCall(ticket, req, spend, route, request, slo, attempt)
+            resp = await self.dispatcher.serve(call)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
@@ -282,6 +281,16 @@ class Gateway:
                 self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
             if slo is not None and slo.any and attempt.instance != PROGRESSIVE:  # its calls carry no SLO
                 self._count_slo(slo, policy, attempt)
+            if call is not None:
+                self._learn(cfg, key, request, call, attempt)
+
+    def _learn(self, cfg: Config, key: ApiKey | None, request: web.Request, call: DecidedCall,
+               attempt: Attempt) -> None:
+        """Learning never costs a client its answer: a failure here is logged, not raised."""
+        try:
+            self.learner.observe(cfg, key, request.remote, call, attempt)
+        except Exception:
+            log.exception("could not learn from the answer of %s", attempt.instance)
 
     def _count_slo(self, slo: SloCheck, policy: str, attempt: Attempt) -> None:
         """Attainment per policy and SLO class: met, missed (served late, or failed), refused (never served)."""
@@ -354,6 +363,17 @@ class Gateway:
         m.spend_unwritten.set(self.spend.unwritten if self.spend is not None else 0)
         return web.Response(body=m.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
+    async def feedback(self, request: web.Request) -> web.Response:
+        return await self.feedback_handler.handle(request, self.store.current, self.host)
+
+    async def admin_refresh(self, request: web.Request) -> web.Response:
+        check_admin(request, self.store.current)
+        return _json(await self.refresher.refresh("admin endpoint"))
+
+    async def admin_rollback(self, request: web.Request) -> web.Response:
+        check_admin(request, self.store.current)
+        return _json(await self.refresher.rollback())
+
     async def admin_reload(self, request: web.Request) -> web.Response:
         check_admin(request, self.store.current)
         ok, message = self.reload("admin endpoint")
@@ -390,11 +410,14 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_post("/v1/completions", gateway.completions)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_post("/v1/feedback", gateway.feedback)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/health/ready", gateway.ready)
     if gateway.store.current.server.metrics_port is None:
         app.router.add_get("/metrics", gateway.metrics_page)
     app.router.add_post("/admin/reload", gateway.admin_reload)
+    app.router.add_post("/admin/refresh", gateway.admin_refresh)
+    app.router.add_post("/admin/rollback", gateway.admin_rollback)
 
     async def lifecycle(app: web.Application):
         await gateway.open()

@@ -77,9 +77,11 @@ class DecidedCall:
         return self.ticket.config  # the decision's instance indices are this config's
 
 
-def decision_headers(d: Decision, clamped_max_tokens: int | None) -> dict[str, str]:
-    """What the scheduler predicted for its choice, for the client to see."""
+def decision_headers(d: Decision, clamped_max_tokens: int | None, estimated_by: int | None) -> dict[str, str]:
+    """What the scheduler predicted for its choice, and with which estimators, for the client to see."""
     headers = {}
+    if estimated_by is not None:
+        headers["X-Route-Estimator"] = f"v{estimated_by}"
     if d.quality is not None:
         headers["X-Route-Predicted-Quality"] = f"{d.quality:.4f}"
     if d.cost_usd is not None:
@@ -196,7 +198,8 @@ class CallDispatcher:
                     sched.attempt_succeeded(ticket, plan)
                     cost = 0.0
                     raise await client_error(upstream)
-                headers = {**attempt.headers, **decision_headers(decision, plan.max_tokens if plan.clamped else None)}
+                clamped = plan.max_tokens if plan.clamped else None
+                headers = {**attempt.headers, **decision_headers(decision, clamped, ticket.estimated_by)}
                 if req.stream:
                     assert call.client is not None  # only a client's own request streams
                     resp = await relay_stream(call.client, upstream, instance, req.include_usage, result, costing,

@@ -26,6 +26,7 @@ from gateway.core.pool_state import InstanceState, PoolState
 from gateway.core.request import Completion, Decision, DispatchPlan, Refusal, RouteRequest, Ticket
 from gateway.core.view import PoolView
 from gateway.policies import registry
+from gateway.serving.explore import Explorer
 from gateway.serving.metrics import GatewayMetrics
 
 log = logging.getLogger("routebalance.scheduler")
@@ -57,6 +58,7 @@ class Scheduler:
         self.store = store
         self.metrics = metrics
         self.estimators = estimators  # estimators.bundle.Estimators, or None if not built
+        self.explorer = Explorer()  # used by the worker thread only
         self.scheduling_loop = SchedulingLoop(registry, pool_state, store.current.batching.max_queue, candidates_for,
                                               estimators)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="scheduler")
@@ -272,6 +274,8 @@ class Scheduler:
             m.decision_seconds.observe(now - ticket.arrived)
             if d.ranked:
                 _observe_decision(m, ticket.request.policy, cfg.instances[d.ranked[0]].model, d)
+                if ticket.explored:
+                    m.explored.labels(cfg.instances[d.ranked[0]].model).inc()
         for ticket in self.scheduling_loop.settle([t for t, _ in here], [d for _, d in here], now):
             _wake(ticket)
 
@@ -279,15 +283,27 @@ class Scheduler:
                    scheduling: SchedulingLoop | None = None) -> tuple[list[Decided], BatchTimings]:
         """The scheduling loop's decisions for a batch, timed (in the worker thread)."""
         timings = BatchTimings()
+        estimators = self.estimators  # one version estimates the whole batch, whatever a refresh swaps meanwhile
 
         def estimate(tickets: list[Ticket]):
             start = time.perf_counter()
-            est = self.estimators.for_instances([t.request.prompt_text for t in tickets], cfg.instances)
+            est = estimators.for_instances([t.request.prompt_text for t in tickets], cfg.instances)
+            unlabelled = estimators.unlabelled(cfg.instances)
+            # a request may explore if its key learns and it may go to a model without labels
+            eligible = [bool(unlabelled) and t.request.explore
+                        and any(cfg.instances[c].model in unlabelled for c in t.request.candidates) for t in tickets]
+            explored = self.explorer.apply(est, unlabelled, cfg.instances, eligible, cfg.learning.explore_share,
+                                           cfg.learning.explore_usd_per_day)
+            for t, e in zip(tickets, explored, strict=True):
+                t.estimated_by, t.explored = estimators.version, e
             timings.estimate_s = time.perf_counter() - start
             return est
 
         start = time.perf_counter()
         decided = (scheduling or self.scheduling_loop).decide(cfg, batch, view, estimate)
+        for ticket, (d, _) in zip(batch, decided, strict=True):
+            if ticket.explored and d.cost_usd is not None:
+                self.explorer.spent(d.cost_usd)
         timings.score_s = time.perf_counter() - start - timings.estimate_s
         return decided, timings
 

@@ -75,6 +75,13 @@ class GatewayMetrics:
                               "always 1 for the in-process backends", registry=r)
         self.spend_unwritten = Gauge("routebalance_spend_unwritten", "Bookings and releases not yet written to "
                                      "the spend store (they are kept and retried)", registry=r)
+        # Estimator refreshes (gateway/serving/refresh.py): accepted, refused by their check, failed.
+        self.refreshes = Counter("routebalance_estimator_refreshes", "Estimator refreshes, by result",
+                                 ("result",), registry=r)
+        self.explored = Counter("routebalance_explored_requests", "Requests whose routing explored a model without "
+                                "labels (serving/explore.py), by the model chosen", ("model",), registry=r)
+        self.estimator_version = Gauge("routebalance_estimator_version", "Version of the estimators routing now "
+                                       "(1: as built; each accepted refresh or rollback sets it)", registry=r)
         # Progressive mode (gateway/serving/progressive.py): how each progressive request was served, and its points.
         self.progressive = Counter("routebalance_progressive_requests", "Requests asking for progressive mode, by "
                                    "result: progressive, or the reason they went through normal routing",
@@ -82,6 +89,12 @@ class GatewayMetrics:
         self.progressive_points = Counter("routebalance_progressive_points", "Points of progressive answers, by "
                                           "result: expanded, or sketch_text (every expansion failed)",
                                           ("result",), registry=r)
+        # Learning from traffic (gateway/serving/learner.py, feedback.py).
+        self.feedback = Counter("routebalance_feedback", "Feedback calls, by outcome (accepted or refused) and "
+                                "reason", ("outcome", "reason"), registry=r)
+        self.length_labels = Counter("routebalance_length_labels", "Answer lengths offered to the label store, "
+                                     "by result: stored, exists (already stored for the prompt and model), or "
+                                     "dropped as full, queue_full or write_failed", ("result",), registry=r)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 

@@ -112,6 +112,10 @@ class RelayResult:
     budget_exhausted: bool = False  # the stream was stopped because its next chunk would overspend
     usage: dict = field(default_factory=dict)  # what the client was told (or would have been)
     final: bool = False  # cost_usd is the whole attempt's: its final usage was read, or its answer counted
+    # For learning (gateway/serving/learner.py), read where the answer is parsed anyway: the id the client
+    # saw, and whether an answer was cut at its max_tokens (its length is then only a lower bound).
+    completion_id: str | None = None
+    cut_by_length: bool = False
 
     def cost_when_left(self, worst_usd: float) -> float:
         """What an attempt whose handler ended without a verdict (its client left) is paid: the answer's own
@@ -298,6 +302,7 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
         raise UpstreamFailed(502, f"instance {instance.name} sent a JSON {type(data).__name__}, not an object",
                              spent="all")
     headers = route_headers(instance)
+    _note_answer(data, result)
     usage = data.get("usage")
     if isinstance(usage, dict):
         record_usage(usage, costing, result)
@@ -306,6 +311,19 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
     result.usage = data["usage"]
     headers["X-Route-Cost-USD"] = f"{result.cost_usd:.10f}"
     return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
+
+
+def _note_answer(data: dict, result: RelayResult) -> None:
+    """Keep a whole answer's id and whether one of its choices stopped at max_tokens."""
+    if isinstance(data.get("id"), str):
+        result.completion_id = data["id"]
+    choices = data.get("choices")
+    result.cut_by_length = isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") == "length" for c in choices)
+
+
+# A stream's finish_reason "length", found without parsing the events that carry none of it.
+_CUT_BY_LENGTH = (b'"finish_reason":"length"', b'"finish_reason": "length"')
 
 
 def _event_json(event: bytes) -> dict | None:
@@ -356,6 +374,11 @@ class _Framer:
         cost what was delivered by counting it."""
         if not self.usage_seen:
             self.result.usage = await count_usage(self._texts(), self.costing, self.result)
+            self._note_id(self.head)
+
+    def _note_id(self, data: dict) -> None:
+        if self.result.completion_id is None and isinstance(data.get("id"), str):
+            self.result.completion_id = data["id"]
 
     async def finish(self) -> bytes:
         """After the last block: cost by counting if the instance sent no usage; the usage chunk if asked, and
@@ -384,6 +407,8 @@ class _PassThrough(_Framer):
             block = self._rewrite_usage_events(block)
         if not self.usage_seen:
             self._keep(block)
+        if b'"length"' in block and any(cut in block for cut in _CUT_BY_LENGTH):
+            self.result.cut_by_length = True
         self.ended = self.ended or _ends_answer(block, self.n)
         return self._hold_done(block), False
 
@@ -413,6 +438,7 @@ class _PassThrough(_Framer):
                 usage = data.get("usage") if data is not None else None
                 if isinstance(usage, dict):
                     record_usage(usage, self.costing, self.result, final=not data.get("choices"))
+                    self._note_id(data)
                     self.result.usage = usage
                     self.usage_seen, self.kept = True, []
                     if not data.get("choices") and not self.include_usage:
@@ -495,6 +521,7 @@ class _BudgetMeter(_Framer):
                 out.append(event + EVENT_END)  # [DONE], error objects, comments: as they came
                 continue
             self.head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
+            self._note_id(data)
             if self.n > 1:
                 usage = None
             if usage is not None:
@@ -519,6 +546,7 @@ class _BudgetMeter(_Framer):
             for c in choices:
                 finished = isinstance(c, dict) and c.get("finish_reason")
                 finished_one = finished_one or bool(finished)
+                self.result.cut_by_length = self.result.cut_by_length or finished == "length"
                 (self.open.discard if finished else self.open.add)(_index(c))
             self.ended = self.ended or (finished_one and not self.open)
             self._settle()

