@@ -1,5 +1,6 @@
-"""`routebalance` command line: serve | emulate | up | keys | labels | policies, and the lab's commands (train |
-profile | bench | sim | calibrate | train-policy, gateway/lab/cli.py), imported only when one of them is asked for."""
+"""`routebalance` command line: serve | emulate | up | keys | labels | refresh | policies, and the lab's commands
+(train | learning-curve | collect | judge | profile | bench | sim | calibrate | train-policy, gateway/lab/cli.py),
+imported only when one of them is asked for."""
 
 from __future__ import annotations
 

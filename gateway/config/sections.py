@@ -33,6 +33,7 @@ __all__ = [
     "AuthConfig",
     "HealthConfig",
     "Instance",
+    "JudgeConfig",
     "LearningConfig",
     "MoeConfig",
     "SchedulerConfig",
@@ -243,6 +244,12 @@ class LearningConfig(Section):
     # share of requests, within this much predicted spend per UTC day (serving/explore.py).
     explore_share: float = option(0.05, ge=0, le=1)
     explore_usd_per_day: float = option(1.0, ge=0)
+    # Judged shadow answers (serving/shadow.py; needs a [judge]): this share of answered requests is also sent to
+    # one other model with an idle instance, and the judge scores both answers. 0: off.
+    shadow_share: float = option(0.0, ge=0, le=1)
+    shadow_max_in_flight: int = option(2, ge=1)  # shadow calls at once; past it a request is not shadowed
+    shadow_max_tokens: int = option(512, ge=1)  # per shadow answer
+    shadow_usd_per_day: float = option(1.0, ge=0)  # the gateway's own spend on shadow answers, per UTC day
 
     def _validate(self) -> None:
         for source, weight in self.source_weights.items():
@@ -253,6 +260,51 @@ class LearningConfig(Section):
                 raise ConfigError(f"must be a finite number >= 0, got {weight!r}", f"source_weights.{source}")
         set_normalised(self, "source_weights", types.MappingProxyType({**DEFAULT_SOURCE_WEIGHTS,
                                                                        **self.source_weights}))
+
+
+# The judge's prompt: {prompt} and {answer} are replaced by the prompt and the answer (other braces stay as
+# written); the reply is read for one number in [0, 1] (gateway/learning/judge.py).
+DEFAULT_RUBRIC = (
+    "You grade answers. Read the question and the answer below, and judge how correct and complete the answer "
+    "is.\n\nQuestion:\n{prompt}\n\nAnswer:\n{answer}\n\n"
+    'Reply with one line, "Score: X", where X is a number from 0 (wrong or useless) to 1 (fully correct), and '
+    "nothing else."
+)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@section
+class JudgeConfig(Section):
+    """An LLM that scores answers in [0, 1] (`routebalance judge`; docs/operations/collect.md): any
+    OpenAI-compatible endpoint and model, a pool instance included."""
+
+    url: str | None = option(None, nonempty=True)  # base URL ending in /v1; unset: no judge
+    model: str | None = option(None, nonempty=True)  # the model name the endpoint serves; required with url
+    # The name of an environment variable holding the endpoint's API key (never the key itself).
+    api_key_env: str | None = option(None, nonempty=True)
+    rubric: str = option(DEFAULT_RUBRIC, nonempty=True)
+    timeout_s: float = option(60.0, gt=0)  # each call to the judge, whole
+    max_concurrency: int = option(4, ge=1, le=256)  # calls in flight at once
+    max_answer_chars: int = option(8000, ge=100)  # longer answers are cut to this before they are judged
+    # A judge whose URL is not a pool instance's receives prompts and answers only when this is true.
+    outside_pool_may_see_prompts: bool = False
+
+    def _validate(self) -> None:
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"must be an http:// or https:// URL, got {self.url!r}", "url")
+            if not parts.path.rstrip("/").endswith("/v1"):
+                raise ConfigError(f"must be the endpoint's OpenAI base URL, ending in /v1, got {self.url!r}", "url")
+            set_normalised(self, "url", self.url.rstrip("/"))
+            if self.model is None:
+                raise ConfigError("is required when url is set (the model the judge endpoint serves)", "model")
+        if self.api_key_env is not None and not _ENV_NAME.fullmatch(self.api_key_env):
+            raise ConfigError("must name an environment variable that holds the key (letters, digits and _), "
+                              "never the key itself", "api_key_env")
+        for placeholder in ("{prompt}", "{answer}"):
+            if placeholder not in self.rubric:
+                raise ConfigError(f"must contain the placeholder {placeholder}", "rubric")
 
 
 @section
@@ -528,6 +580,7 @@ class Config(Section):
     telemetry: TelemetryConfig = TelemetryConfig()
     estimators: EstimatorsConfig = EstimatorsConfig()
     learning: LearningConfig = option(factory=LearningConfig)
+    judge: JudgeConfig = JudgeConfig()
     # [emulator]: the emulated pool's settings; lab code reads and checks them (gateway/lab/emulator/settings.py).
     emulator: Mapping[str, Any] = option(factory=lambda: types.MappingProxyType({}))
     progressive: ProgressiveConfig = ProgressiveConfig()

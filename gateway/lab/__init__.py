@@ -4,5 +4,7 @@
 - sim/: the discrete-event simulator that drives the scheduling core in virtual time;
 - workload/: the synthetic labelled workload and its prompt writers;
 - training/: building the estimator artefacts, profiling instances, benchmarks, RL training;
-- experiments/: named sweeps, calibration against the paper, plots;
-- cli.py: the lab's commands (train, profile, bench, sim, calibrate, train-policy)."""
+- experiments/: named sweeps, calibration against the paper, the learning curve, plots;
+- labelling/: labels for a user's own prompts (collect answers from every model, judge them);
+- cli.py: the lab's commands (train, learning-curve, collect, judge, profile, bench, sim, calibrate,
+  train-policy)."""

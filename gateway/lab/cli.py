@@ -1,4 +1,4 @@
-"""The lab's commands: train | learning-curve | profile | bench | sim | calibrate | train-policy.
+"""The lab's commands: train | learning-curve | collect | judge | profile | bench | sim | calibrate | train-policy.
 
 gateway/cli.py registers them only when one of them (or the help) is asked for,
 so `routebalance serve` never imports the lab.
@@ -42,6 +42,32 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--added-at", type=int, default=300, help="prompts served before it joins (default 300)")
     p.add_argument("--block", type=int, default=100, help="prompts per row of the table (default 100)")
     p.add_argument("--out", type=Path, help="write learning_curve{,_added}.{csv,png} there")
+
+    p = sub.add_parser("collect", help="send every prompt of a file to every pool model and store the answers "
+                                       "and their lengths for `judge` (a cost estimate first; resumable)")
+    config_option(p)
+    p.add_argument("prompts", type=Path, help='JSON Lines, one {"id"?, "prompt", "reference"?, "task"?} a line')
+    p.add_argument("--out", type=Path, required=True,
+                   help="the answers file (JSON Lines), appended to as answers arrive; a rerun asks only for the "
+                        "(prompt, model) pairs not in it yet")
+    p.add_argument("--models", nargs="+", default=(), metavar="MODEL", help="pool models to ask (default: all)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="answer tokens a request at most (default 1024)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    p.add_argument("--max-cost", type=float, metavar="USD", help="refuse when the cost estimate is above this")
+    p.add_argument("--yes", action="store_true", help="send the requests (without it: print the estimate, send "
+                                                      "nothing)")
+    p.add_argument("--timeout", type=float, help="seconds a request may take, whole (default: [upstream] "
+                                                 "response_timeout_s)")
+    p.add_argument("--retries", type=int, default=2, help="tries after a failed one, each on the model's next "
+                                                          "instance (default 2)")
+
+    p = sub.add_parser("judge", help="score collected answers (a reference rule, else the [judge] endpoint) and "
+                                     "write a workload file for `train --workload`")
+    config_option(p)
+    p.add_argument("answers", type=Path, help="the answers file `collect` wrote")
+    p.add_argument("--out", type=Path, required=True,
+                   help="the workload file (JSON Lines, replaced); the judge's scores are cached beside it in "
+                        "OUT.scores.jsonl, so a rerun asks it only for answers it has not scored")
 
     p = sub.add_parser("profile", help="rate-sweep one live instance and record TPOT traces for `train`")
     config_option(p)
@@ -147,6 +173,22 @@ def cmd_train(args) -> int:
     print(format_report(manifest))
     print(f"artefacts in {out}/")
     return 0
+
+
+def cmd_collect(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.lab.labelling.collect import CollectSettings, run
+
+    settings = CollectSettings(tuple(args.models), args.max_tokens, args.concurrency, args.max_cost, args.yes,
+                               args.timeout, args.retries)
+    return run(load_config(args.config), args.prompts, args.out, settings)
+
+
+def cmd_judge(args) -> int:
+    from gateway.config.store import load_config
+    from gateway.lab.labelling.judging import run
+
+    return run(load_config(args.config), args.answers, args.out)
 
 
 def cmd_train_policy(args) -> int:
@@ -370,4 +412,5 @@ def cmd_calibrate(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "train-policy": cmd_train_policy, "profile": cmd_profile, "bench": cmd_bench,
-            "learning-curve": cmd_learning_curve, "sim": cmd_sim, "calibrate": cmd_calibrate}
+            "learning-curve": cmd_learning_curve, "sim": cmd_sim, "calibrate": cmd_calibrate,
+            "collect": cmd_collect, "judge": cmd_judge}

@@ -35,6 +35,7 @@ from gateway.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.serving.metrics import GatewayMetrics
 from gateway.serving.progressive import PROGRESSIVE, FellBack, Progressive
 from gateway.serving.refresh import EstimatorRefresh
+from gateway.serving.shadow import ShadowAnswers
 from gateway.serving.telemetry import scrape_forever
 from gateway.state.link import RedisLink
 from gateway.state.sync import ReplicaSync
@@ -106,6 +107,7 @@ class Gateway:
         self.learner = TrafficLearner(store, self.metrics)
         self.feedback_handler = FeedbackHandler(self.learner, self.access, self.metrics)
         self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics)
+        self.shadow = ShadowAnswers(store, self.learner, self.scheduler, self.metrics, lambda: self.session)
         if estimators is not None:
             self.metrics.estimator_version.set(estimators.version)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
@@ -133,6 +135,7 @@ class Gateway:
                             loop.create_task(ReplicaSync(self.link, self.pool_state, self.store).run())]
         self._open_spend(cfg)
         await self.learner.open()
+        await self.shadow.open()
         self._tasks.append(loop.create_task(self.refresher.run_every()))
         self.scheduler.start()
 
@@ -143,6 +146,7 @@ class Gateway:
             task.cancel()
         await _within("stopping the background tasks", _CLOSE_TASKS_S, *self._tasks)
         await _within("stopping the scheduler", _CLOSE_TASKS_S, self.scheduler.stop())
+        await _within("stopping the shadow answers", _CLOSE_TASKS_S, self.shadow.close())
         if self.session:
             await _within("closing the upstream connections", _CLOSE_TASKS_S, self.session.close())
         if self.spend is not None:
@@ -289,6 +293,7 @@ class Gateway:
         """Learning never costs a client its answer: a failure here is logged, not raised."""
         try:
             self.learner.observe(cfg, key, request.remote, call, attempt)
+            self.shadow.offer(cfg, key, call, attempt)
         except Exception:
             log.exception("could not learn from the answer of %s", attempt.instance)
 

@@ -80,6 +80,10 @@ class GatewayMetrics:
                                  ("result",), registry=r)
         self.explored = Counter("routebalance_explored_requests", "Requests whose routing explored a model without "
                                 "labels (serving/explore.py), by the model chosen", ("model",), registry=r)
+        self.shadow = Counter("routebalance_shadow_answers", "Judged shadow answers (serving/shadow.py), by outcome",
+                              ("outcome",), registry=r)
+        self.shadow_cost = Counter("routebalance_shadow_cost_usd", "What shadow answers cost, USD (the gateway's "
+                                   "own spend, booked to no key)", registry=r)
         self.estimator_version = Gauge("routebalance_estimator_version", "Version of the estimators routing now "
                                        "(1: as built; each accepted refresh or rollback sets it)", registry=r)
         # Progressive mode (gateway/serving/progressive.py): how each progressive request was served, and its points.

@@ -116,6 +116,7 @@ class RelayResult:
     # saw, and whether an answer was cut at its max_tokens (its length is then only a lower bound).
     completion_id: str | None = None
     cut_by_length: bool = False
+    answer_text: str | None = None  # a whole, single answer's text (judged shadow answers: serving/shadow.py)
 
     def cost_when_left(self, worst_usd: float) -> float:
         """What an attempt whose handler ended without a verdict (its client left) is paid: the answer's own
@@ -314,12 +315,14 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
 
 
 def _note_answer(data: dict, result: RelayResult) -> None:
-    """Keep a whole answer's id and whether one of its choices stopped at max_tokens."""
+    """Keep a whole answer's id, whether one of its choices stopped at max_tokens, and a single answer's text."""
     if isinstance(data.get("id"), str):
         result.completion_id = data["id"]
     choices = data.get("choices")
     result.cut_by_length = isinstance(choices, list) and any(
         isinstance(c, dict) and c.get("finish_reason") == "length" for c in choices)
+    texts = _answer_texts(data) if isinstance(choices, list) and len(choices) == 1 else []
+    result.answer_text = texts[0] if len(texts) == 1 else None
 
 
 # A stream's finish_reason "length", found without parsing the events that carry none of it.

@@ -1,0 +1,163 @@
+"""Judged shadow answers (opt-in): labels for the models that did not answer.
+
+Traffic labels only the model that served a prompt. With `[learning] shadow_share` above 0 and a `[judge]`,
+a sampled share of answered requests is also sent, after the answer, to one other pool model that has an
+idle instance (no request of this gateway on it), and the judge scores both answers in [0, 1]: two "judge"
+labels (the served model's and the other's) and the other's answer length go to the label store, for the
+next refresh.
+
+Bounds: at most `shadow_max_in_flight` shadow calls at once (a request is never queued for one: past the
+bound it is skipped), `shadow_max_tokens` per shadow answer, and `shadow_usd_per_day` of spend per UTC day,
+reserved before a call at its worst case (prompt plus shadow_max_tokens) and settled at what the instance
+reports. The spend is the gateway's own: it is booked to no client's key, and counted in
+`routebalance_shadow_cost_usd_total` and the log. Only whole, non-streamed, single answers are shadowed (a
+stream's text is not kept); keys with `learn = false` never are. A judge outside the pool sees prompts only
+where `[judge] outside_pool_may_see_prompts` says so (checked at start: otherwise shadowing stays off).
+Shadow calls bypass the scheduler: they are not booked in the pool state, which is why they go only to idle
+instances and are few.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+import numpy as np
+import orjson
+
+from gateway.config.sections import ApiKey, Config
+from gateway.config.store import ConfigStore
+from gateway.core.budget import predicted_cost, token_prices
+from gateway.learning.judge import Judge, JudgeError
+from gateway.learning.labels import Label, prompt_hash
+from gateway.serving.dispatch import Attempt, DecidedCall
+from gateway.serving.driver import Scheduler
+from gateway.serving.learner import TrafficLearner
+from gateway.serving.metrics import GatewayMetrics
+from gateway.serving.relay import upstream_payload
+
+log = logging.getLogger("routebalance.shadow")
+MAX_BODY = 4 << 20  # bytes of a shadow answer read at most
+
+
+class ShadowAnswers:
+    def __init__(self, store: ConfigStore, learner: TrafficLearner, scheduler: Scheduler, metrics: GatewayMetrics,
+                 session: Callable[[], aiohttp.ClientSession | None], seed: int = 0):
+        self.store = store
+        self.learner = learner
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self._session = session
+        self.rng = np.random.default_rng(seed)
+        self.judge: Judge | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._day = ""
+        self.spent_today_usd = 0.0
+
+    async def open(self) -> None:
+        cfg = self.store.current
+        if cfg.learning.shadow_share <= 0 or self.learner.store is None:
+            return
+        try:
+            judge = Judge(cfg.judge, [i.url for i in cfg.instances])
+        except JudgeError as e:
+            log.error("judged shadow answers are off: %s", e)
+            return
+        self.judge = await judge.__aenter__()
+        log.info("judged shadow answers: %.0f%% of answered requests, judged by %s", 100 * cfg.learning.shadow_share,
+                 cfg.judge.model)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.judge is not None:
+            await self.judge.__aexit__(None, None, None)
+
+    def offer(self, cfg: Config, key: ApiKey | None, call: DecidedCall, attempt: Attempt) -> None:
+        """After an answered request: maybe start one shadow call (never waits, never raises)."""
+        learning = cfg.learning
+        req, result = call.req, attempt.result
+        if (self.judge is None or attempt.status != 200 or attempt.index is None or req.stream or req.n != 1
+                or result.answer_text is None or (key is not None and not key.learn)
+                or len(self._tasks) >= learning.shadow_max_in_flight or self.rng.random() >= learning.shadow_share):
+            return
+        served = cfg.instances[attempt.index]
+        others = [i for i in self.scheduler.routable_instances(cfg)
+                  if i.model != served.model and self.scheduler.in_flight(i.name) == 0]
+        if not others:
+            self.metrics.shadow.labels("no_idle_instance").inc()
+            return
+        other = others[int(self.rng.integers(len(others)))]
+        price_in, price_out = token_prices(other)
+        worst = float(predicted_cost(result.prompt_tokens, learning.shadow_max_tokens, price_in, price_out))
+        self._roll_day()
+        if self.spent_today_usd + worst > learning.shadow_usd_per_day:
+            self.metrics.shadow.labels("spend_cap").inc()
+            return
+        self.spent_today_usd += worst  # reserved; settled when the answer's usage is known
+        task = asyncio.get_running_loop().create_task(
+            self._shadow(cfg, key, call, served.model, result.answer_text, other, worst))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _shadow(self, cfg: Config, key: ApiKey | None, call: DecidedCall, served_model: str, answer: str,
+                      other, reserved: float) -> None:
+        outcome, paid = "failed", reserved
+        try:
+            text, prompt_tokens, tokens, cut = await self._ask(cfg, call, other)
+            paid = float(predicted_cost(prompt_tokens, tokens, *token_prices(other)))
+            judge = self.judge
+            assert judge is not None
+            prompt = call.req.prompt_text
+            scores = await asyncio.gather(judge.score(prompt, answer), judge.score(prompt, text))
+            digest, now, kept = prompt_hash(prompt), time.time(), prompt if cfg.learning.keep_prompt_text else None
+            name = key.name if key is not None else None
+            writer = self.learner.writer
+            if writer is not None:
+                writer.offer(Label(digest, served_model, "judge", scores[0], now, kept, key=name))
+                writer.offer(Label(digest, other.model, "judge", scores[1], now, kept, key=name))
+                writer.offer(Label(digest, other.model, "length", tokens, now, kept, cut, name))
+            outcome = "judged"
+        except JudgeError as e:
+            outcome = "judge_failed"
+            log.warning("shadow answer of %s not judged: %s", other.name, e)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.warning("shadow call to %s failed: %s", other.name, e)
+        finally:
+            self.spent_today_usd += paid - reserved
+            self.metrics.shadow.labels(outcome).inc()
+            self.metrics.shadow_cost.inc(paid)
+
+    async def _ask(self, cfg: Config, call: DecidedCall, other) -> tuple[str, int, int, bool]:
+        """The other instance's whole answer: (text, prompt tokens, answer tokens, cut at max_tokens)."""
+        session = self._session()
+        if session is None:
+            raise aiohttp.ClientError("the gateway is closing")
+        route = "/v1/chat/completions" if call.req.chat else "/v1/completions"
+        payload = upstream_payload(call.req, other, cfg.learning.shadow_max_tokens)
+        async with asyncio.timeout(cfg.upstream.total_timeout_s):
+            async with session.post(other.url.rstrip("/") + route, data=payload,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                body = await resp.content.read(MAX_BODY + 1)
+                if resp.status != 200 or len(body) > MAX_BODY:
+                    raise ValueError(f"HTTP {resp.status}, {len(body)} bytes")
+        data = orjson.loads(body)
+        choice = data["choices"][0]
+        text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
+        usage = data.get("usage") or {}
+        if not isinstance(text, str):
+            raise ValueError("no answer text")
+        return (text, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)),
+                choice.get("finish_reason") == "length")
+
+    def _roll_day(self) -> None:
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        if day != self._day:
+            self._day, self.spent_today_usd = day, 0.0
