@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+import uvloop
 from aiohttp import web
 
 from conftest import Stack, dump_toml, free_port
@@ -140,3 +142,55 @@ class StubStack(Stack):
                 await stub.stop()
         self.call(stop_stubs())
         super().stop()
+
+
+class LoopThread:
+    """An event loop in a background thread, for servers the test talks to from its own thread."""
+
+    def __init__(self):
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class StubJudge:
+    """An OpenAI-compatible judge on loopback: answers every chat completion with `reply` (or `status`, after
+    `delay_s`), and keeps each request's headers and body."""
+
+    def __init__(self, reply: str = "Score: 0.8", status: int = 200, delay_s: float = 0.0):
+        self.reply, self.status, self.delay_s = reply, status, delay_s
+        self.port = free_port()
+        self.requests: list[tuple[dict, dict]] = []
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append((dict(request.headers), body))
+        await asyncio.sleep(self.delay_s)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "judge down"}}, status=self.status)
+        return web.json_response({"id": "j", "object": "chat.completion", "model": body["model"],
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": self.reply}}]})

@@ -12,8 +12,8 @@ import httpx
 import openai
 import orjson
 import pytest
-import uvloop
 from aiohttp import web
+from stubs import LoopThread
 
 from conftest import free_port
 from gateway.api.parse import CompletionRequest, RoutingOptions
@@ -160,22 +160,6 @@ async def mini_gateway(request: web.Request) -> web.StreamResponse:
                               Costing.for_instance(inst, input_tokens, counter.count), budget_usd=budget,
                               continuous_usage=asks_continuous_usage(req), headers={"X-Route-Max-Tokens": str(limit)},
                               on_progress=progress.append)
-
-
-class LoopThread:
-    """A uvloop in a background thread, so the blocking OpenAI SDK can drive servers on it."""
-
-    def __init__(self):
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")

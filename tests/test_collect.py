@@ -5,24 +5,20 @@ judge's parsing and reference rule. An opt-in test uses a real llama.cpp server 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 from pathlib import Path
 
 import httpx
 import pytest
-import uvloop
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-from stubs import MODEL, Stub, stub_config, stub_instance
+from stubs import MODEL, LoopThread, Stub, StubJudge, stub_config, stub_instance
 
 from conftest import dump_toml, free_port, pool_config, wait_for
 from gateway.cli import main
@@ -55,58 +51,6 @@ KNOWN_TOKENS = 3
 PROMPTS = [{"id": "q1", "prompt": KNOWN, "reference": "42", "task": "math"},
            {"id": "q2", "prompt": "Name a colour.", "task": "chat"},
            {"prompt": "Say hello to the reader."}]
-
-
-class LoopThread:
-    """An event loop in a background thread, for servers the test talks to from its own thread."""
-
-    def __init__(self):
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-class StubJudge:
-    """An OpenAI-compatible judge on loopback: answers every chat completion with `reply` (or `status`, after
-    `delay_s`), and keeps each request's headers and body."""
-
-    def __init__(self, reply: str = "Score: 0.8", status: int = 200, delay_s: float = 0.0):
-        self.reply, self.status, self.delay_s = reply, status, delay_s
-        self.port = free_port()
-        self.requests: list[tuple[dict, dict]] = []
-        self.runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append((dict(request.headers), body))
-        await asyncio.sleep(self.delay_s)
-        if self.status != 200:
-            return web.json_response({"error": {"message": "judge down"}}, status=self.status)
-        return web.json_response({"id": "j", "object": "chat.completion", "model": body["model"],
-                                  "choices": [{"index": 0, "finish_reason": "stop",
-                                               "message": {"role": "assistant", "content": self.reply}}]})
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import time
 
 import httpx
 import openai
-from stubs import Stub, StubStack, stub_config, stub_instance
-from test_collect import StubJudge
+from stubs import Stub, StubJudge, StubStack, stub_config, stub_instance
 
 from conftest import wait_for
 from gateway.tenancy.keys import hash_key
