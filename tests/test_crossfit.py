@@ -65,6 +65,14 @@ def test_folds_cover_every_record_once_and_a_seed_fixes_them():
     assert sorted(np.concatenate(parts).tolist()) == list(range(23))
     assert all(np.array_equal(a, b) for a, b in zip(parts, folds(23, 5, seed=3), strict=True))
     assert not all(np.array_equal(a, b) for a, b in zip(parts, folds(23, 5, seed=4), strict=True))
+    # a prompt that appears twice (the same key) never lands on both sides; rows without a key ("") stay apart
+    groups = np.array(["a", "b", "a", "", "c", "b", "", "a", "d", "e"])
+    parts = folds(10, 3, seed=0, groups=groups)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(10))
+    fold_of = {int(r): f for f, part in enumerate(parts) for r in part}
+    for key in ("a", "b"):
+        assert len({fold_of[r] for r in np.flatnonzero(groups == key)}) == 1
+    assert all(len(part) for part in parts)
 
 
 def test_out_of_fold_estimates_never_see_their_own_prompt():

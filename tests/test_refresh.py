@@ -74,6 +74,9 @@ def test_feedback_and_a_refresh_change_later_picks_and_a_rollback_undoes_it(tmp_
         out = httpx.post(stack.root + "/admin/refresh", headers=ADMIN, timeout=120).json()
         assert out["accepted"] and out["version"] == 2 and out["persisted"], out
         assert NEW in out["headed"] and out["traffic"][NEW] == 30
+        # nothing new since v2: no new version that would push useful ones out
+        again = httpx.post(stack.root + "/admin/refresh", headers=ADMIN, timeout=120).json()
+        assert again["accepted"] is False and again["unchanged"] and again["version"] == 2, again
         after, versions = share(client, NEW, PROBES)
         assert versions == {"v2"}
         assert before <= 0.3 and after >= 0.8
@@ -83,6 +86,7 @@ def test_feedback_and_a_refresh_change_later_picks_and_a_rollback_undoes_it(tmp_
         assert Estimators.load(load_config(stack.config_path)).version == 2
         metrics = httpx.get(stack.root + "/metrics").text
         assert 'routebalance_estimator_refreshes_total{result="accepted"} 1.0' in metrics
+        assert 'routebalance_estimator_refreshes_total{result="unchanged"} 1.0' in metrics
         assert "routebalance_estimator_version 2.0" in metrics
 
         assert main(["refresh", "--rollback", "--config", str(stack.config_path)]) == 0  # one command

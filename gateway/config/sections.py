@@ -207,8 +207,9 @@ DEFAULT_SOURCE_WEIGHTS: Mapping[str, float] = types.MappingProxyType({"file": 1.
 class LearningConfig(Section):
     """Labels from the gateway's own traffic (docs/operations/learning.md): each answer's length, and the
     scores clients give their own completions (POST /v1/feedback), kept in a label store that
-    `routebalance labels export` turns into a workload file for `train`. `enabled`, `path` and
-    `length_queue` are read at start (a change takes a restart); the rest applies from a reload on."""
+    `routebalance labels export` turns into a workload file for `train`; refreshes, exploration and judged
+    shadow answers. `enabled`, `path`, `length_queue` and whether shadow answers are on at all (shadow_share
+    above 0, with a [judge]) are read at start (a change takes a restart); the rest applies from a reload on."""
 
     enabled: bool = True
     path: str = option("data/labels.db", nonempty=True)  # SQLite, relative to the working directory
@@ -240,6 +241,8 @@ class LearningConfig(Section):
     refresh_tolerance: float = option(0.01, ge=0)
     refresh_check_rows: int = option(2000, ge=100)
     max_versions: int = option(5, ge=2)  # refits kept on disk for rollback (oldest deleted first)
+    # A refresh embeds the prompts of at most this many labelled prompts, the most recent (about 12 ms each).
+    refresh_max_prompts: int = option(20_000, ge=100)
     # A pool model without labels is routed on a pessimistic prior and offered, to be explored, on at most this
     # share of requests, within this much predicted spend per UTC day (serving/explore.py).
     explore_share: float = option(0.05, ge=0, le=1)

@@ -95,10 +95,19 @@ LENGTH_CANDIDATES: tuple[EstimatorCandidate, ...] = (
 )
 
 
-def folds(n: int, k: int, seed: int) -> list[np.ndarray]:
-    """k disjoint test folds covering 0..n-1, from a seeded permutation."""
-    order = np.random.default_rng(seed).permutation(n)
-    return [np.sort(order[i::k]) for i in range(k)]
+def folds(n: int, k: int, seed: int, groups: np.ndarray | None = None) -> list[np.ndarray]:
+    """k disjoint test folds covering 0..n-1, from a seeded permutation. With `groups` (a key per row, e.g. the
+    prompt's hash; "" for none), rows of one group fall in one fold: a prompt that appears twice never predicts
+    itself."""
+    if groups is None:
+        order = np.random.default_rng(seed).permutation(n)
+        return [np.sort(order[i::k]) for i in range(k)]
+    keys = np.array([g if g else f"row {r}" for r, g in enumerate(groups)])
+    unique, group_of = np.unique(keys, return_inverse=True)
+    fold_of_group = np.empty(len(unique), np.int64)
+    fold_of_group[np.random.default_rng(seed).permutation(len(unique))] = np.arange(len(unique)) % k
+    fold = fold_of_group[group_of]
+    return [np.flatnonzero(fold == i) for i in range(k)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,11 +199,13 @@ class Choice:
 def choose(x: np.ndarray, quality: np.ndarray, length: np.ndarray, pricing: Pricing, models: tuple[str, ...],
            rows: np.ndarray, k: int = INNER_FOLDS, seed: int = 0,
            quality_candidates: Sequence[EstimatorCandidate] = QUALITY_CANDIDATES,
-           length_candidates: Sequence[EstimatorCandidate] = LENGTH_CANDIDATES) -> Choice:
-    """The candidates that do best in a k-fold over `rows` (ties: the earlier, simpler candidate)."""
+           length_candidates: Sequence[EstimatorCandidate] = LENGTH_CANDIDATES,
+           groups: np.ndarray | None = None) -> Choice:
+    """The candidates that do best in a k-fold over `rows` (ties: the earlier, simpler candidate); `groups`
+    (one key per record) keeps a repeated prompt in one fold."""
     q_oof = {c.name: np.zeros((len(rows), quality.shape[1]), dtype=np.float32) for c in quality_candidates}
     l_oof = {c.name: np.zeros((len(rows), quality.shape[1]), dtype=np.float32) for c in length_candidates}
-    for test in folds(len(rows), k, seed):
+    for test in folds(len(rows), k, seed, None if groups is None else groups[rows]):
         train = np.setdiff1d(np.arange(len(rows)), test)
         tr, te = rows[train], rows[test]
         for c in quality_candidates:
@@ -228,10 +239,12 @@ def out_of_fold(x: np.ndarray, quality: np.ndarray, length: np.ndarray, pricing:
                 models: tuple[str, ...], folds_k: int = FOLDS, repeats: int = REPEATS, inner_k: int = INNER_FOLDS,
                 quality_candidates: Sequence[EstimatorCandidate] = QUALITY_CANDIDATES,
                 length_candidates: Sequence[EstimatorCandidate] = LENGTH_CANDIDATES,
-                kinds: np.ndarray | None = None, progress: Callable[[int, int], None] | None = None) -> OutOfFold:
+                kinds: np.ndarray | None = None, progress: Callable[[int, int], None] | None = None,
+                groups: np.ndarray | None = None) -> OutOfFold:
     """Nested, repeated k-fold: repeat r uses seed r for its folds; inside each outer fold `choose` picks the
     candidates on the training part, which are then fitted there and predict the fold. `kinds`: each record's
-    task, for the task-means baseline (None, or a single task: no baseline)."""
+    task, for the task-means baseline (None, or a single task: no baseline); `groups`: each record's prompt
+    key, so that a repeated prompt stays in one fold."""
     n, m = quality.shape
     with_tasks = kinds is not None and len(set(kinds.tolist())) > 1
     def empty() -> np.ndarray:
@@ -241,10 +254,11 @@ def out_of_fold(x: np.ndarray, quality: np.ndarray, length: np.ndarray, pricing:
                     {c.name: empty() for c in length_candidates}, empty() if with_tasks else None)
     total, done = repeats * folds_k, 0
     for r in range(repeats):
-        for test in folds(n, folds_k, seed=r):
+        for test in folds(n, folds_k, seed=r, groups=groups):
             train = np.setdiff1d(np.arange(n), test)
             choice = choose(x, quality, length, pricing, models, train, inner_k, seed=1000 + r,
-                            quality_candidates=quality_candidates, length_candidates=length_candidates)
+                            quality_candidates=quality_candidates, length_candidates=length_candidates,
+                            groups=groups)
             for c in quality_candidates:
                 out.quality_candidates[c.name][r, test] = c.fit(x[train], quality[train], length[train],
                                                                 models).predict(x[test])[0]

@@ -256,7 +256,7 @@ def check(base: Base, procedure: Callable[[np.ndarray], BuiltEstimate], built_mo
     rng = np.random.default_rng(settings.seed)
     sample = np.sort(rng.choice(n, size=min(n, settings.check_rows), replace=False))
     built_scores, refit_scores = [], []
-    for test in folds(len(sample), settings.folds, settings.seed):
+    for test in folds(len(sample), settings.folds, settings.seed, base.prompt[sample]):
         test_rows = sample[test]
         built = procedure(np.setdiff1d(sample, test_rows))
         held = set(base.prompt[test_rows].tolist()) - {""}

@@ -289,9 +289,11 @@ class Scheduler:
             start = time.perf_counter()
             est = estimators.for_instances([t.request.prompt_text for t in tickets], cfg.instances)
             unlabelled = estimators.unlabelled(cfg.instances)
-            # a request may explore if its key learns and it may go to a model without labels
+            # a request may explore if its key learns and it has a choice between a model without labels and one
+            # with (a request that names the unknown model goes there anyway: it spends no exploration budget)
             eligible = [bool(unlabelled) and t.request.explore
-                        and any(cfg.instances[c].model in unlabelled for c in t.request.candidates) for t in tickets]
+                        and len({cfg.instances[c].model in unlabelled for c in t.request.candidates}) == 2
+                        for t in tickets]
             explored = self.explorer.apply(est, unlabelled, cfg.instances, eligible, cfg.learning.explore_share,
                                            cfg.learning.explore_usd_per_day)
             for t, e in zip(tickets, explored, strict=True):

@@ -27,7 +27,7 @@ from gateway.api.errors import ApiError
 from gateway.config.sections import ApiKey, Config
 from gateway.learning.completions import LoggedCompletion, Principal
 from gateway.learning.labels import Label
-from gateway.learning.store import Added
+from gateway.learning.store import Added, LabelStoreError
 from gateway.serving.body import read_body
 from gateway.serving.learner import TrafficLearner
 from gateway.serving.metrics import GatewayMetrics
@@ -87,7 +87,11 @@ class FeedbackHandler:
                                     "feedback cannot be changed", "score", "feedback_conflict", final=True)
             writing = self._writing.get(completion_id)
             if writing is not None:
-                _stored(await asyncio.shield(writing))
+                try:
+                    _stored(await asyncio.shield(writing))
+                except LabelStoreError as e:
+                    raise ApiError(503, f"the feedback could not be stored, send it again later: {e}", None,
+                                   "label_store_unavailable") from None
             return completion_id, True, "duplicate"
         added = await self._store(entry, score, key, cfg.learning.keep_prompt_text)
         return completion_id, False, "stored" if added == "stored" else "already_labelled"
@@ -118,7 +122,11 @@ class FeedbackHandler:
 
         writing.add_done_callback(done)
         # Shielded: a client that hangs up does not cancel the write of what it sent.
-        return _stored(await asyncio.shield(writing))
+        try:
+            return _stored(await asyncio.shield(writing))
+        except LabelStoreError as e:  # the disk is full, or the store stayed locked: the client may send it again
+            raise ApiError(503, f"the feedback could not be stored, send it again later: {e}", None,
+                           "label_store_unavailable") from None
 
 
 def _stored(added: Added) -> Added:

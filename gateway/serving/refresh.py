@@ -24,12 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from gateway.api.errors import ApiError
+from gateway.artefacts import ArtefactError
 from gateway.config.sections import Config
 from gateway.config.store import ConfigStore
 from gateway.core.budget import predicted_cost, price_arrays
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.crossfit import EstimatorCandidate, Pricing
-from gateway.estimators.manifest import sha256_of, write_manifest
+from gateway.estimators.manifest import read_manifest, sha256_of, write_manifest
 from gateway.estimators.refit import (
     Base,
     Refit,
@@ -59,6 +60,7 @@ class TrafficSet:
     quality: TrafficLabels
     length: TrafficLabels
     skipped: dict[str, int]  # why -> labels left out
+    fingerprint: list  # [quality labels, length labels, newest label's time]: unchanged means nothing to refit
 
 
 class EstimatorRefresh:
@@ -78,13 +80,14 @@ class EstimatorRefresh:
 
     async def refresh(self, reason: str) -> dict:
         """Refit, check, and swap in when accepted; the outcome as JSON-able figures."""
-        current = self._ready()
         label_store = self.learner.store
         if label_store is None:
             raise ApiError(503, f"no labels to refresh from: {self.learner.unavailable}", None, "learning_off")
         if self._running.locked():
-            raise ApiError(409, "a refresh is running: try again when it is done", None, "refresh_running")
+            raise ApiError(409, "a refresh or rollback is running: try again when it is done", None,
+                           "refresh_running")
         async with self._running:
+            current = self._ready()  # read under the lock: a rollback that ran first is what this builds on
             cfg = self.store.current
             started = time.perf_counter()
             try:
@@ -96,8 +99,10 @@ class EstimatorRefresh:
                                "refresh_failed") from None
             outcome["seconds"] = round(time.perf_counter() - started, 2)
             if fresh is None:
-                self.metrics.refreshes.labels("refused").inc()
-                log.warning("refresh (%s) refused: %s", reason, outcome["reason"])
+                result = "unchanged" if outcome.get("unchanged") else "refused"
+                self.metrics.refreshes.labels(result).inc()
+                log.log(logging.INFO if result == "unchanged" else logging.WARNING, "refresh (%s) %s: %s", reason,
+                        result, outcome["reason"])
                 return outcome
             self.scheduler.estimators = fresh
             self.metrics.refreshes.labels("accepted").inc()
@@ -108,8 +113,8 @@ class EstimatorRefresh:
 
     async def rollback(self) -> dict:
         """Back to the version before the running one (as recorded in the manifest)."""
-        current = self._ready()
         async with self._running:
+            current = self._ready()  # read under the lock: a refresh that ran first is what is rolled back
             history = current.manifest.get("versions", [])
             older = [v for v in history if v["version"] < current.version]
             if not older:
@@ -135,7 +140,11 @@ class EstimatorRefresh:
 
     # ---- in the worker thread ----------------------------------------------------------------------
     def _refit(self, cfg: Config, current: Estimators, labels) -> tuple[dict, Estimators | None]:
-        traffic = traffic_set(cfg, current, labels())
+        running = _entry(current.manifest, current.version)
+        traffic = traffic_set(cfg, current, labels(), unless=running.get("labels_seen") if running else None)
+        if traffic is None:
+            return {"accepted": False, "unchanged": True, "version": current.version,
+                    "reason": f"no labels since version {current.version} was fitted"}, None
         base = base_of(current, cfg)
         choice = current.manifest.get("chosen", PAPER_CHOICE)
         procedure = built_procedure(base, candidate(choice["quality"]), candidate(choice["length"]),
@@ -156,33 +165,47 @@ class EstimatorRefresh:
                                  f"against {result.check_built:+.4f} for the built estimators, tolerance "
                                  f"{result.tolerance:g})")
             return outcome, None
-        fresh, persisted = self._versioned(current, result, cfg.learning.max_versions)
+        fresh, persisted = self._versioned(current, result, traffic.fingerprint, cfg.learning.max_versions)
         outcome.update(version=fresh.version, persisted=persisted)
         return outcome, fresh
 
-    def _versioned(self, current: Estimators, result: Refit, max_versions: int) -> tuple[Estimators, bool]:
-        """The refit as the next version, written beside the artefacts when the directory allows."""
-        manifest = {**current.manifest, "files": dict(current.manifest["files"])}
-        history = list(manifest.get("versions") or [_first_version(manifest)])
-        version = max(v["version"] for v in history) + 1
-        entry = {"version": version, "file": f"refresh-v{version}.npz",
-                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "traffic": result.traffic, "check": [result.check_built, result.check_refit]}
-        manifest.update(version=version, refreshed={"file": entry["file"]})
-        fresh = current.refreshed(result.fit, manifest, result.traffic)
+    def _versioned(self, current: Estimators, result: Refit, fingerprint: list, max_versions: int
+                   ) -> tuple[Estimators, bool]:
+        """The refit as the next version, written beside the artefacts when the directory allows. Old refits'
+        files are deleted only once the manifest that no longer lists them is written."""
         directory = current.models_dir
-        if directory is None:
+        base = current.manifest
+        on_disk = _read_quietly(directory) if directory is not None else None
+        if on_disk is not None and on_disk.get("built_at") == base.get("built_at"):
+            base = on_disk  # the same build, with whatever `train --if-stale` added meanwhile (a TPOT head)
+        manifest = {**base, "files": dict(base["files"])}
+        history = list(manifest.get("versions") or [_first_version(manifest)])
+        version = max(max(v["version"] for v in history), current.version) + 1
+        entry = {"version": version, "file": f"refresh-v{version}.npz",
+                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "traffic": result.traffic,
+                 "labels_seen": fingerprint, "check": [result.check_built, result.check_refit]}
+        manifest.update(version=version, refreshed={"file": entry["file"]})
+        history.append(entry)
+        kept, gone = _pruned(history, max_versions)
+        manifest["versions"] = kept
+        for old in gone:
+            manifest["files"].pop(old["file"], None)
+        fresh = current.refreshed(result.fit, manifest, result.traffic)
+        if directory is None or on_disk is None or base is not on_disk:
+            if directory is not None:
+                log.warning("the refit serves in memory only: the artefacts in %s were rebuilt since this gateway "
+                            "loaded them (restart it to serve them)", directory)
             return fresh, False
         try:
             save_traffic_fit(directory / entry["file"], result.fit)
             manifest["files"][entry["file"]] = sha256_of(directory / entry["file"])
-            history.append(entry)
-            manifest["versions"] = _pruned(history, max_versions, manifest["files"], directory)
             write_manifest(directory, manifest)
         except OSError as e:
             log.warning("the refit serves in memory only: cannot write it to %s (%s); it is lost at a restart",
                         directory, e)
             return fresh, False
+        for old in gone:  # no manifest lists them now
+            (directory / old["file"]).unlink(missing_ok=True)
         return fresh, True
 
     def _load_version(self, current: Estimators, target: dict) -> Estimators:
@@ -215,14 +238,23 @@ def _first_version(manifest: dict) -> dict:
             "traffic": None, "check": None}
 
 
-def _pruned(history: list[dict], keep: int, files: dict, directory: Path) -> list[dict]:
-    """The history with at most `keep` refits on disk: the oldest refits' files deleted (the built version,
-    the first, always stays)."""
+def _pruned(history: list[dict], keep: int) -> tuple[list[dict], list[dict]]:
+    """(the history with at most `keep` refits, the refits left out); the built version, the first, stays."""
     first, refits = history[:1], history[1:]
-    for gone in refits[:-keep] if len(refits) > keep else []:
-        files.pop(gone["file"], None)
-        (directory / gone["file"]).unlink(missing_ok=True)
-    return first + refits[-keep:]
+    gone = refits[:-keep] if len(refits) > keep else []
+    return first + refits[len(gone):], gone
+
+
+def _entry(manifest: dict, version: int) -> dict | None:
+    return next((v for v in manifest.get("versions", []) if v["version"] == version), None)
+
+
+def _read_quietly(directory: Path) -> dict | None:
+    try:
+        return read_manifest(directory)
+    except ArtefactError as e:
+        log.warning("cannot read %s: %s", directory, e)
+        return None
 
 
 def base_of(estimators: Estimators, cfg: Config) -> Base:
@@ -240,18 +272,21 @@ def base_of(estimators: Estimators, cfg: Config) -> Base:
     return Base(x, knn.quality, knn.length, knn.prompt_hashes, Pricing(price_in, price_out, input_len, cost))
 
 
-def traffic_set(cfg: Config, estimators: Estimators, labels: Iterable[Label]) -> TrafficSet:
-    """The store's labels for the pool's models, their prompts embedded (once each). Labels without their
-    prompt's text (kept as hashes) cannot be embedded; sources weighted 0 and models the pool lacks are left
-    out: each counted."""
+def traffic_set(cfg: Config, estimators: Estimators, labels: Iterable[Label],
+                unless: list | None = None) -> TrafficSet | None:
+    """The store's labels for the pool's models, their prompts embedded (once each; the most recent
+    refresh_max_prompts prompts at most, so a refresh's embedding stays bounded however large the store).
+    Labels without their prompt's text (kept as hashes) cannot be embedded; sources weighted 0 and models the
+    pool lacks are left out: each counted. None, before any embedding, when the labels' fingerprint is
+    `unless` (nothing new since the running version)."""
     pool = cfg.models()
     models = estimators.knn.models + tuple(m for m in pool if m not in estimators.knn.models)
     column = {m: j for j, m in enumerate(models)}
     weights = cfg.learning.source_weights
     skipped: dict[str, int] = {}
-    quality_rows: list[tuple[str, int, float, float]] = []
-    length_rows: list[tuple[str, int, float, bool]] = []
+    rows: list[tuple[str, int, float, float, bool, bool]] = []  # (prompt, column, value, weight, censored, length)
     texts: dict[str, str] = {}
+    newest: dict[str, float] = {}
     for label in labels:
         why = _left_out(label, column, weights, texts)
         if why is not None:
@@ -259,25 +294,37 @@ def traffic_set(cfg: Config, estimators: Estimators, labels: Iterable[Label]) ->
             continue
         if label.prompt is not None:
             texts.setdefault(label.prompt_hash, label.prompt)
-        if label.source == LENGTH:
-            length_rows.append((label.prompt_hash, column[label.model], label.value, label.censored))
-        else:
-            quality_rows.append((label.prompt_hash, column[label.model], label.value, weights[label.source]))
+        newest[label.prompt_hash] = max(newest.get(label.prompt_hash, 0.0), label.created)
+        is_length = label.source == LENGTH
+        rows.append((label.prompt_hash, column[label.model], label.value,
+                     1.0 if is_length else weights[label.source], label.censored, is_length))
+    quality_rows = sum(not r[5] for r in rows)
+    fingerprint = [quality_rows, len(rows) - quality_rows, max(newest.values(), default=0.0)]
+    if fingerprint == unless:
+        return None
+    cap = cfg.learning.refresh_max_prompts
+    if len(texts) > cap:
+        kept = set(sorted(texts, key=lambda h: newest[h], reverse=True)[:cap])
+        dropped = [r for r in rows if r[0] not in kept]
+        skipped[f"older than the {cap} most recent prompts"] = len(dropped)
+        rows = [r for r in rows if r[0] in kept]
+        texts = {h: t for h, t in texts.items() if h in kept}
     order = list(texts)
-    vectors = estimators.embedder.embed([texts[h] for h in order]) if order else np.zeros((0, estimators.knn.index.d))
+    d = estimators.knn.index.d
+    vectors = estimators.embedder.embed([texts[h] for h in order]) if order else np.zeros((0, d), np.float32)
     row_of = {h: k for k, h in enumerate(order)}
 
-    def labels_of(rows, censored: bool) -> TrafficLabels:
-        if not rows:
-            return TrafficLabels.empty(estimators.knn.index.d)
-        hashes = np.array([r[0] for r in rows], dtype=object)
-        return TrafficLabels(vectors[[row_of[h] for h in hashes]], np.array([r[1] for r in rows]),
-                             np.array([r[2] for r in rows], dtype=np.float64),
-                             np.ones(len(rows)) if censored else np.array([r[3] for r in rows], dtype=np.float64),
-                             np.array([r[3] for r in rows], dtype=bool) if censored else np.zeros(len(rows), bool),
+    def labels_of(mine: list) -> TrafficLabels:
+        if not mine:
+            return TrafficLabels.empty(d)
+        hashes = np.array([r[0] for r in mine], dtype=object)
+        return TrafficLabels(vectors[[row_of[h] for h in hashes]], np.array([r[1] for r in mine]),
+                             np.array([r[2] for r in mine], dtype=np.float64),
+                             np.array([r[3] for r in mine], dtype=np.float64), np.array([r[4] for r in mine], bool),
                              hashes)
 
-    return TrafficSet(models, labels_of(quality_rows, False), labels_of(length_rows, True), skipped)
+    quality, length = [r for r in rows if not r[5]], [r for r in rows if r[5]]
+    return TrafficSet(models, labels_of(quality), labels_of(length), skipped, fingerprint)
 
 
 def _left_out(label: Label, column: dict, weights, texts: dict) -> str | None:

@@ -13,6 +13,8 @@ reports. The spend is the gateway's own: it is booked to no client's key, and co
 `routebalance_shadow_cost_usd_total` and the log. Only whole, non-streamed, single answers are shadowed (a
 stream's text is not kept); keys with `learn = false` never are. A judge outside the pool sees prompts only
 where `[judge] outside_pool_may_see_prompts` says so (checked at start: otherwise shadowing stays off).
+`shadow_share` turning on and the `[judge]` are read at start; the share and the bounds apply from a reload
+on. The judge's own calls are not counted in the spend (its price is not in the config).
 Shadow calls bypass the scheduler: they are not booked in the pool state, which is why they go only to idle
 instances and are few.
 """
@@ -112,7 +114,8 @@ class ShadowAnswers:
         outcome, paid = "failed", reserved
         try:
             text, prompt_tokens, tokens, cut = await self._ask(cfg, call, other)
-            paid = float(predicted_cost(prompt_tokens, tokens, *token_prices(other)))
+            if tokens:  # without usage the reservation stands as the cost, and no length is learned
+                paid = float(predicted_cost(prompt_tokens, tokens, *token_prices(other)))
             judge = self.judge
             assert judge is not None
             prompt = call.req.prompt_text
@@ -123,15 +126,18 @@ class ShadowAnswers:
             if writer is not None:
                 writer.offer(Label(digest, served_model, "judge", scores[0], now, kept, key=name))
                 writer.offer(Label(digest, other.model, "judge", scores[1], now, kept, key=name))
-                writer.offer(Label(digest, other.model, "length", tokens, now, kept, cut, name))
+                if tokens:
+                    writer.offer(Label(digest, other.model, "length", tokens, now, kept, cut, name))
             outcome = "judged"
         except JudgeError as e:
             outcome = "judge_failed"
             log.warning("shadow answer of %s not judged: %s", other.name, e)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        except (aiohttp.ClientError, TimeoutError, ValueError, LookupError, TypeError) as e:
+            # an unreachable instance, or an answer not in the OpenAI shape
             log.warning("shadow call to %s failed: %s", other.name, e)
         finally:
-            self.spent_today_usd += paid - reserved
+            self._roll_day()  # a reservation made before midnight is settled against the day it was made in, at 0
+            self.spent_today_usd = max(self.spent_today_usd + paid - reserved, 0.0)
             self.metrics.shadow.labels(outcome).inc()
             self.metrics.shadow_cost.inc(paid)
 
@@ -141,7 +147,9 @@ class ShadowAnswers:
         if session is None:
             raise aiohttp.ClientError("the gateway is closing")
         route = "/v1/chat/completions" if call.req.chat else "/v1/completions"
-        payload = upstream_payload(call.req, other, cfg.learning.shadow_max_tokens)
+        # no longer than the client allowed the served answer, so the two are judged on the same terms
+        limit = min(cfg.learning.shadow_max_tokens, call.req.max_tokens or cfg.learning.shadow_max_tokens)
+        payload = upstream_payload(call.req, other, limit)
         async with asyncio.timeout(cfg.upstream.total_timeout_s):
             async with session.post(other.url.rstrip("/") + route, data=payload,
                                     headers={"Content-Type": "application/json"}) as resp:

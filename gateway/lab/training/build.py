@@ -473,13 +473,16 @@ def fit_on_every_record(records: list[Record], models: tuple[str, ...], embedder
     quality, length = label_arrays(records, models)
     pricing = pricing_of(records, config, models)
     kinds = np.array([r.kind for r in records])
+    hashes = np.array([prompt_hash(r.prompt) for r in records])  # a repeated prompt stays in one fold
     oof = out_of_fold(x, quality, length, pricing, models, est.cv_folds, est.cv_repeats, kinds=kinds,
-                      progress=lambda done, total: progress("cross-validating the estimators", done, total))
+                      progress=lambda done, total: progress("cross-validating the estimators", done, total),
+                      groups=hashes)
     progress("choosing and fitting the served estimators")
-    choice = choose(x, quality, length, pricing, models, np.arange(len(records)), k=est.cv_folds, seed=est.seed)
+    # the same choice the nested report tested inside each fold (crossfit.INNER_FOLDS), now over every record
+    choice = choose(x, quality, length, pricing, models, np.arange(len(records)), seed=est.seed, groups=hashes)
     knn = KnnEstimator.build(x, quality, length, models, k=choice.knn_k,
                              input_tokens=np.array([r.input_len for r in records], dtype=np.float32),
-                             prompt_hashes=np.array([prompt_hash(r.prompt) for r in records]))
+                             prompt_hashes=hashes)
     quality_head, length_head = choice.heads(x, quality, length, models)
     log.info("serving quality from %s, lengths from %s", choice.quality.name, choice.length.name)
     report = crossfit_report(oof, choice, records, quality, length, pricing, config, models)
