@@ -125,3 +125,22 @@ def test_every_shipped_candidate_fits_and_predicts_probabilities(candidate):
     quality = (np.random.default_rng(3).random((120, 2)) < 0.5).astype(np.float32)
     q, _ = candidate.fit(x[:100], quality[:100], np.full((100, 2), 50.0, dtype=np.float32), MODELS).predict(x[100:])
     assert q.shape == (20, 2) and (q >= 0).all() and (q <= 1).all()
+
+
+def test_the_routing_criterion_can_leave_out_models_the_pool_does_not_serve():
+    """A model the pool no longer serves has no price: routing among all columns would pick it (free and always
+    right); among the pool's columns it is never a pick, and the criterion is that of the two pool models."""
+    n = 200
+    rng = np.random.default_rng(4)
+    quality = np.column_stack([rng.random(n) < 0.4, rng.random(n) < 0.7, np.ones(n)]).astype(np.float32)
+    length = np.full((n, 3), 100.0, dtype=np.float32)
+    price = np.array([1e-7, 1e-6, 0.0])
+    input_len = np.full(n, 50.0)
+    pricing = Pricing(price, price, input_len, input_len[:, None] * price + length * price)
+    rows = np.arange(n)
+    knowing = quality.copy()
+    everything = above_hull(knowing, length, quality, pricing, rows)
+    pool_only = above_hull(knowing, length, quality, pricing, rows, columns=[0, 1])
+    two = Pricing(price[:2], price[:2], input_len, pricing.cost[:, :2])
+    assert pool_only == pytest.approx(above_hull(knowing[:, :2], length[:, :2], quality[:, :2], two, rows))
+    assert everything != pytest.approx(pool_only)

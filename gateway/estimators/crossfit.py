@@ -159,8 +159,13 @@ def hull_quality(hull: Sequence[tuple[float, float]], cost: float) -> float:
 
 
 def above_hull(quality: np.ndarray, length: np.ndarray, labels: np.ndarray, pricing: Pricing,
-               rows: np.ndarray) -> float:
-    """Routing criterion: mean over MIXES of (quality of the picks - the single models' hull at their cost)."""
+               rows: np.ndarray, columns: Sequence[int] | None = None) -> float:
+    """Routing criterion: mean over MIXES of (quality of the picks - the single models' hull at their cost),
+    over the models of `columns` only when given (the ones the pool serves)."""
+    if columns is not None:
+        cols = list(columns)
+        quality, length, labels = quality[:, cols], length[:, cols], labels[:, cols]
+        pricing = Pricing(pricing.price_in[cols], pricing.price_out[cols], pricing.input_len, pricing.cost[:, cols])
     points = [(float(pricing.cost[rows, j].mean()), float(labels[rows, j].mean())) for j in range(labels.shape[1])]
     hull = upper_hull(points)
     gaps = []

@@ -80,6 +80,7 @@ class Base:
     length: np.ndarray  # (n, m)
     prompt: np.ndarray  # (n,) prompt hashes ("" where unknown)
     pricing: Pricing  # prices of the base models, prompts' lengths and real costs, for the check
+    pool_columns: tuple[int, ...] | None = None  # the base models the pool serves (None: all): what the check routes
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +252,7 @@ def check(base: Base, procedure: Callable[[np.ndarray], BuiltEstimate], built_mo
           ) -> tuple[float, float] | None:
     """(built, refit) routing criterion out of fold on the built rows; None with too few rows to check."""
     n, m = base.quality.shape
-    if n < 4 * settings.folds:
+    if n < 4 * settings.folds or base.pool_columns == ():  # too few rows, or no built model the pool serves
         return None
     rng = np.random.default_rng(settings.seed)
     sample = np.sort(rng.choice(n, size=min(n, settings.check_rows), replace=False))
@@ -264,8 +265,8 @@ def check(base: Base, procedure: Callable[[np.ndarray], BuiltEstimate], built_mo
         q, ln = built(base.x[test_rows])
         q_new, ln_new = q.astype(np.float32).copy(), ln.astype(np.float32).copy()
         fit.apply(base.x[test_rows], built_models, q_new, ln_new)
-        built_scores.append(above_hull(q, ln, base.quality, base.pricing, test_rows))
-        refit_scores.append(above_hull(q_new, ln_new, base.quality, base.pricing, test_rows))
+        built_scores.append(above_hull(q, ln, base.quality, base.pricing, test_rows, base.pool_columns))
+        refit_scores.append(above_hull(q_new, ln_new, base.quality, base.pricing, test_rows, base.pool_columns))
     return float(np.mean(built_scores)), float(np.mean(refit_scores))
 
 

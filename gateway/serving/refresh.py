@@ -258,8 +258,8 @@ def _read_quietly(directory: Path) -> dict | None:
 
 
 def base_of(estimators: Estimators, cfg: Config) -> Base:
-    """The built index's labelled rows, priced at the config's prices (a model the pool lacks: free, never
-    the pick that matters)."""
+    """The built index's labelled rows, priced at the config's prices; the check routes among the models the
+    pool serves only (a model the pool lacks has no price)."""
     knn = estimators.knn
     x = knn.index.reconstruct_n(0, knn.index.ntotal)
     first = {i.model: i for i in reversed(cfg.instances)}
@@ -269,7 +269,8 @@ def base_of(estimators: Estimators, cfg: Config) -> Base:
         price_in[cols], price_out[cols] = price_arrays([first[knn.models[j]] for j in cols])
     input_len = knn.input_tokens.astype(np.float64)
     cost = predicted_cost(input_len[:, None], knn.length.astype(np.float64), price_in, price_out)
-    return Base(x, knn.quality, knn.length, knn.prompt_hashes, Pricing(price_in, price_out, input_len, cost))
+    return Base(x, knn.quality, knn.length, knn.prompt_hashes, Pricing(price_in, price_out, input_len, cost),
+                tuple(cols) if len(cols) < len(knn.models) else None)
 
 
 def traffic_set(cfg: Config, estimators: Estimators, labels: Iterable[Label],
