@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gateway.core.budget import predicted_cost
+from gateway.core.budget import predicted_cost, price_arrays
 from gateway.core.scoring import eq1
 from gateway.estimators.heads import LengthHeads, QualityHeads
 from gateway.estimators.knn import K, KnnEstimator
@@ -118,6 +118,23 @@ class Pricing:
     price_out: np.ndarray
     input_len: np.ndarray  # (n,) prompt tokens
     cost: np.ndarray  # (n, models) USD of each model's real answer (unclipped lengths)
+
+
+def pool_columns(instances, models: Sequence[str]) -> tuple[list[int], list]:
+    """The columns of `models` the pool serves, and one instance of each (the first in the config)."""
+    first = {i.model: i for i in reversed(instances)}
+    cols = [j for j, m in enumerate(models) if m in first]
+    return cols, [first[models[j]] for j in cols]
+
+
+def model_prices(instances, models: Sequence[str]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The columns the pool serves and each model's USD per prompt and answer token (its first instance's;
+    0 for a model the pool lacks, which the callers keep out of the picks)."""
+    cols, pool = pool_columns(instances, models)
+    price_in, price_out = np.zeros(len(models)), np.zeros(len(models))
+    if cols:
+        price_in[cols], price_out[cols] = price_arrays(pool)
+    return cols, price_in, price_out
 
 
 def eq1_picks(quality: np.ndarray, length: np.ndarray, pricing: Pricing, rows: np.ndarray,

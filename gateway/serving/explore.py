@@ -22,12 +22,12 @@ are never explored.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import numpy as np
 
 from gateway.core.request import Estimates
+from gateway.serving.daily_spend import DailySpend
 
 WINDOW = 1000  # decisions the hard share bound counts over
 
@@ -36,9 +36,8 @@ class Explorer:
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
         self._recent: deque[bool] = deque(maxlen=WINDOW)  # whether each recent decision explored
-        self._day = ""
-        self.spent_today_usd = 0.0
-        self.explored = 0
+        self._recent_explored = 0  # how many of them did (kept, not summed per request)
+        self.spend = DailySpend()
 
     def apply(self, estimates: Estimates, unlabelled: dict[str, tuple[int, float]], instances, eligible: list[bool],
               share: float, usd_per_day: float) -> list[bool]:
@@ -48,30 +47,32 @@ class Explorer:
         columns = {m: [j for j, inst in enumerate(instances) if inst.model == m] for m in unlabelled}
         columns = {m: c for m, c in columns.items() if c}
         if not columns or share <= 0:
-            self._recent.extend(chosen)
+            for _ in chosen:
+                self._remember(False)
             return chosen
-        self._roll_day()
+        within_spend = self.spend.today_usd < usd_per_day
         for row, ok in enumerate(eligible):
-            room = sum(self._recent) < share * WINDOW and self.spent_today_usd < usd_per_day
+            room = within_spend and self._recent_explored < share * WINDOW
             if ok and room and self.rng.random() < share:
                 chosen[row] = True
-                estimates.quality[row, columns[self._least_labelled(columns, unlabelled)]] = 1.0
-            self._recent.append(chosen[row])
-        self.explored += sum(chosen)
+                model = least_labelled({m: unlabelled[m][0] for m in columns}, self.rng)
+                estimates.quality[row, columns[model]] = 1.0
+            self._remember(chosen[row])
         return chosen
 
-    def _least_labelled(self, columns: dict[str, list[int]], unlabelled: dict[str, tuple[int, float]]) -> str:
-        """The unknown model with the fewest traffic labels (ties: at random)."""
-        fewest = min(unlabelled[m][0] for m in columns)
-        models = [m for m in columns if unlabelled[m][0] == fewest]
-        return models[int(self.rng.integers(len(models)))]
+    def _remember(self, explored: bool) -> None:
+        if len(self._recent) == WINDOW:
+            self._recent_explored -= self._recent[0]  # the decision the append pushes out
+        self._recent.append(explored)
+        self._recent_explored += explored
 
     def spent(self, usd: float) -> None:
         """Book an explored request's predicted cost against today's cap."""
-        self._roll_day()
-        self.spent_today_usd += usd
+        self.spend.add(usd)
 
-    def _roll_day(self) -> None:
-        day = time.strftime("%Y-%m-%d", time.gmtime())
-        if day != self._day:
-            self._day, self.spent_today_usd = day, 0.0
+
+def least_labelled(labels: dict, rng: np.random.Generator):
+    """The key (a model) with the fewest labels (ties: at random): what an explored request is offered."""
+    fewest = min(labels.values())
+    keys = [k for k, n in labels.items() if n == fewest]
+    return keys[int(rng.integers(len(keys)))]

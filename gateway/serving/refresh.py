@@ -27,9 +27,9 @@ from gateway.api.errors import ApiError
 from gateway.artefacts import ArtefactError
 from gateway.config.sections import Config
 from gateway.config.store import ConfigStore
-from gateway.core.budget import predicted_cost, price_arrays
+from gateway.core.budget import predicted_cost
 from gateway.estimators.bundle import Estimators
-from gateway.estimators.crossfit import EstimatorCandidate, Pricing
+from gateway.estimators.crossfit import EstimatorCandidate, Pricing, model_prices
 from gateway.estimators.manifest import read_manifest, sha256_of, write_manifest
 from gateway.estimators.refit import (
     Base,
@@ -262,11 +262,7 @@ def base_of(estimators: Estimators, cfg: Config) -> Base:
     pool serves only (a model the pool lacks has no price)."""
     knn = estimators.knn
     x = knn.index.reconstruct_n(0, knn.index.ntotal)
-    first = {i.model: i for i in reversed(cfg.instances)}
-    cols = [j for j, m in enumerate(knn.models) if m in first]
-    price_in, price_out = np.zeros(len(knn.models)), np.zeros(len(knn.models))
-    if cols:
-        price_in[cols], price_out[cols] = price_arrays([first[knn.models[j]] for j in cols])
+    cols, price_in, price_out = model_prices(cfg.instances, knn.models)
     input_len = knn.input_tokens.astype(np.float64)
     cost = predicted_cost(input_len[:, None], knn.length.astype(np.float64), price_in, price_out)
     return Base(x, knn.quality, knn.length, knn.prompt_hashes, Pricing(price_in, price_out, input_len, cost),

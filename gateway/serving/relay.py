@@ -133,7 +133,8 @@ def upstream_timeout(up, stream: bool) -> aiohttp.ClientTimeout:
                                  sock_read=up.read_timeout_s if stream else up.response_timeout_s)
 
 
-def _count(usage: dict, key: str) -> int:
+def usage_count(usage: dict, key: str) -> int:
+    """A token count of an instance's usage object, or 0 where it is missing or not a count."""
     v = usage.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
@@ -141,8 +142,8 @@ def _count(usage: dict, key: str) -> int:
 def record_usage(usage: dict, costing: Costing, result: RelayResult, final: bool = True) -> None:
     """Cost a request from the instance's own token counts (malformed counts count as 0). The SLO
     verdicts go only on the final usage: a running one (continuous usage) is judged on a partial answer."""
-    result.prompt_tokens = _count(usage, "prompt_tokens")
-    result.completion_tokens = _count(usage, "completion_tokens")
+    result.prompt_tokens = usage_count(usage, "prompt_tokens")
+    result.completion_tokens = usage_count(usage, "completion_tokens")
     result.cost_usd = usage["cost_usd"] = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = "upstream"
     result.final = result.final or final
@@ -303,7 +304,7 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
         raise UpstreamFailed(502, f"instance {instance.name} sent a JSON {type(data).__name__}, not an object",
                              spent="all")
     headers = route_headers(instance)
-    _note_answer(data, result)
+    note_answer(data, result)
     usage = data.get("usage")
     if isinstance(usage, dict):
         record_usage(usage, costing, result)
@@ -314,7 +315,7 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
     return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
 
 
-def _note_answer(data: dict, result: RelayResult) -> None:
+def note_answer(data: dict, result: RelayResult) -> None:
     """Keep a whole answer's id, whether one of its choices stopped at max_tokens, and a single answer's text."""
     if isinstance(data.get("id"), str):
         result.completion_id = data["id"]
@@ -529,7 +530,8 @@ class _BudgetMeter(_Framer):
                 usage = None
             if usage is not None:
                 self.usage_seen = True
-                prompt, completion = _count(usage, "prompt_tokens") or self.prompt, _count(usage, "completion_tokens")
+                prompt = usage_count(usage, "prompt_tokens") or self.prompt
+                completion = usage_count(usage, "completion_tokens")
             else:
                 texts = _answer_texts(data)
                 counted = self.costing.count("".join(texts)) if texts else 0  # a chunk's few tokens: inline

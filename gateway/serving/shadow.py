@@ -36,11 +36,12 @@ from gateway.config.store import ConfigStore
 from gateway.core.budget import predicted_cost, token_prices
 from gateway.learning.judge import Judge, JudgeError
 from gateway.learning.labels import Label, prompt_hash
+from gateway.serving.daily_spend import DailySpend
 from gateway.serving.dispatch import Attempt, DecidedCall
 from gateway.serving.driver import Scheduler
 from gateway.serving.learner import TrafficLearner
 from gateway.serving.metrics import GatewayMetrics
-from gateway.serving.relay import upstream_payload
+from gateway.serving.relay import RelayResult, note_answer, upstream_payload, usage_count
 
 log = logging.getLogger("routebalance.shadow")
 MAX_BODY = 4 << 20  # bytes of a shadow answer read at most
@@ -57,8 +58,7 @@ class ShadowAnswers:
         self.rng = np.random.default_rng(seed)
         self.judge: Judge | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._day = ""
-        self.spent_today_usd = 0.0
+        self.spend = DailySpend()
 
     async def open(self) -> None:
         cfg = self.store.current
@@ -99,11 +99,10 @@ class ShadowAnswers:
         other = others[int(self.rng.integers(len(others)))]
         price_in, price_out = token_prices(other)
         worst = float(predicted_cost(result.prompt_tokens, learning.shadow_max_tokens, price_in, price_out))
-        self._roll_day()
-        if self.spent_today_usd + worst > learning.shadow_usd_per_day:
+        if self.spend.today_usd + worst > learning.shadow_usd_per_day:
             self.metrics.shadow.labels("spend_cap").inc()
             return
-        self.spent_today_usd += worst  # reserved; settled when the answer's usage is known
+        self.spend.add(worst)  # reserved; settled when the answer's usage is known
         task = asyncio.get_running_loop().create_task(
             self._shadow(cfg, key, call, served.model, result.answer_text, other, worst))
         self._tasks.add(task)
@@ -132,12 +131,10 @@ class ShadowAnswers:
         except JudgeError as e:
             outcome = "judge_failed"
             log.warning("shadow answer of %s not judged: %s", other.name, e)
-        except (aiohttp.ClientError, TimeoutError, ValueError, LookupError, TypeError) as e:
-            # an unreachable instance, or an answer not in the OpenAI shape
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # unreachable, or not an OpenAI answer
             log.warning("shadow call to %s failed: %s", other.name, e)
         finally:
-            self._roll_day()  # a reservation made before midnight is settled against the day it was made in, at 0
-            self.spent_today_usd = max(self.spent_today_usd + paid - reserved, 0.0)
+            self.spend.add(paid - reserved)
             self.metrics.shadow.labels(outcome).inc()
             self.metrics.shadow_cost.inc(paid)
 
@@ -157,15 +154,12 @@ class ShadowAnswers:
                 if resp.status != 200 or len(body) > MAX_BODY:
                     raise ValueError(f"HTTP {resp.status}, {len(body)} bytes")
         data = orjson.loads(body)
-        choice = data["choices"][0]
-        text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
-        usage = data.get("usage") or {}
-        if not isinstance(text, str):
-            raise ValueError("no answer text")
-        return (text, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)),
-                choice.get("finish_reason") == "length")
-
-    def _roll_day(self) -> None:
-        day = time.strftime("%Y-%m-%d", time.gmtime())
-        if day != self._day:
-            self._day, self.spent_today_usd = day, 0.0
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an answer")
+        answer = RelayResult()
+        note_answer(data, answer)  # as the relay reads a whole answer: its text, and whether it was cut
+        if answer.answer_text is None:
+            raise ValueError("no single answer text")
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        return (answer.answer_text, usage_count(usage, "prompt_tokens"), usage_count(usage, "completion_tokens"),
+                answer.cut_by_length)

@@ -27,6 +27,7 @@ import numpy as np
 from gateway.estimators.crossfit import Pricing, eq1_picks
 from gateway.estimators.refit import BuiltEstimate, RefitSettings, TrafficFit, TrafficLabels, fit_traffic
 from gateway.records import MAX_OUTPUT_TOKENS
+from gateway.serving.explore import least_labelled
 
 PRIOR_LENGTH = 300.0  # tokens: a model no label speaks for yet (nothing built, no traffic)
 
@@ -76,9 +77,7 @@ def replay(x: np.ndarray, labels: np.ndarray, lengths: np.ndarray, pricing: Pric
         known = [j for j in present if models[j] in headed]
         quality[0, unknown] = quality[0, known].min() if known else 0.5
         if unknown and rng.random() < spec.explore_share:  # the gateway's rule (serving/explore.py)
-            counts = [sum(c == j for _, c, _ in q_rows) for j in unknown]
-            fewest = [j for j, c in zip(unknown, counts, strict=True) if c == min(counts)]
-            quality[0, fewest[int(rng.integers(len(fewest)))]] = 1.0
+            quality[0, least_labelled({j: sum(c == j for _, c, _ in q_rows) for j in unknown}, rng)] = 1.0
             explored[k] = True
         sub = Pricing(pricing.price_in[present], pricing.price_out[present], pricing.input_len,
                       pricing.cost[:, present])

@@ -60,6 +60,7 @@ from gateway.estimators.crossfit import (
     above_hull,
     choose,
     out_of_fold,
+    pool_columns,
 )
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.heads import LengthHeads, QualityHeads, save_heads
@@ -75,7 +76,7 @@ from gateway.estimators.manifest import (
     write_manifest,
 )
 from gateway.estimators.minilm_export import export_minilm_onnx
-from gateway.lab.training.routing_report import format_routing, picks, pool_columns, pricing_of, routing_report
+from gateway.lab.training.routing_report import format_routing, picks, pricing_of, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
 from gateway.learning.labels import prompt_hash
 from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
@@ -294,7 +295,7 @@ def preset_quality(est: KnnEstimate, quality: np.ndarray, test: list[Record], co
     """Mean label of the models Eq. 1 picks per prompt at the config's `quality` preset (always there:
     presets merge over the defaults) on an idle pool, over the models the pool has; None if the pool has
     none of the labelled models."""
-    cols, pool = pool_columns(config, est.models)
+    cols, pool = pool_columns(config.instances, est.models)
     if not cols:
         return None
     preset = config.weights("quality")

@@ -20,28 +20,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.core.budget import predicted_cost, price_arrays
-from gateway.estimators.crossfit import MIXES, Pricing, eq1_picks, hull_quality, upper_hull
+from gateway.core.budget import predicted_cost
+from gateway.estimators.crossfit import (
+    MIXES,
+    Pricing,
+    eq1_picks,
+    hull_quality,
+    model_prices,
+    pool_columns,
+    upper_hull,
+)
 from gateway.lab.sim.stats import difference
 from gateway.records import Record
 
 PER = 1000  # requests a cost is given for
 
 
-def pool_columns(config, models: tuple[str, ...]) -> tuple[list[int], list]:
-    """The estimate's columns the pool serves, and one instance of each (the first in the config)."""
-    first = {i.model: i for i in reversed(config.instances)}
-    cols = [j for j, m in enumerate(models) if m in first]
-    return cols, [first[models[j]] for j in cols]
-
-
 def pricing_of(records: list[Record], config, models: tuple[str, ...]) -> Pricing:
     """Prices, prompt lengths and each pool model's real answer cost per record (columns: `models`; a model
     the pool lacks is priced at 0 and never picked, see `routing_report`)."""
-    cols, pool = pool_columns(config, models)
-    price_in, price_out = np.zeros(len(models)), np.zeros(len(models))
-    if cols:
-        price_in[cols], price_out[cols] = price_arrays(pool)
+    _, price_in, price_out = model_prices(config.instances, models)
     input_len = np.array([r.input_len for r in records], dtype=np.float64)
     real = np.array([[r.models[m].output_length for m in models] for r in records], dtype=np.float64)
     return Pricing(price_in, price_out, input_len, predicted_cost(input_len[:, None], real, price_in, price_out))
@@ -60,7 +58,7 @@ def routing_report(quality: np.ndarray, length: np.ndarray, records: list[Record
                    models: tuple[str, ...], task_means: np.ndarray | None = None, seed: int = 0) -> dict | None:
     """Presets, mixes, single models, the oracle and the task baseline on `records` (None if the pool serves no
     labelled model). `quality` and `length`: (repeats, len(records), len(models)) estimates."""
-    cols, pool = pool_columns(config, models)
+    cols, pool = pool_columns(config.instances, models)
     if not cols or not records:
         return None
     n = len(records)
