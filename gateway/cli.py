@@ -106,11 +106,12 @@ def workload_lengths(cfg):
     is answered at its labelled length for the model that serves it."""
     from gateway.core.engine.profiles import arch_for
     from gateway.lab.emulator.outputs import OutputLengths
-    from gateway.lab.emulator.settings import emulator_of
+    from gateway.lab.emulator.settings import emulator_of, label_constants
     from gateway.lab.sim.evalset import EVAL_PROMPTS
     from gateway.lab.workload.synthetic import generate
 
-    records = generate(cfg.estimators.train_records + EVAL_PROMPTS, seed=cfg.estimators.seed)
+    records = generate(cfg.estimators.train_records + EVAL_PROMPTS, seed=cfg.estimators.seed,
+                       world=label_constants(cfg))
     means = {i.model: arch_for(i.model).mean_output_tokens for i in cfg.instances}
     # Kinds and scores too: a mixture-of-experts instance routes a known prompt's tokens to its kind's
     # experts, and logprobs follow the model's labelled quality on the prompt.

@@ -240,7 +240,7 @@ def test_sweep_workers_reproduce_a_single_process(built, tmp_path):
 
 def test_a_short_sweep_writes_its_table_and_plots(sim, tmp_path):
     cfg, est, ev = sim
-    _WORKER.update(cfg=cfg, est=est, evalset=ev)  # what run_sweep's worker loading would hold
+    _WORKER.update(cfg=cfg, world=[(ev, est)])  # what run_sweep's worker loading would hold
     try:
         rows = [run_one(c) for c in frontier(120, rates=(12,), curve=())]
     finally:

@@ -133,7 +133,8 @@ def _num(row: Mapping[str, str], column: str) -> float:
 def fmt(row: Mapping[str, str], column: str, style: str = "") -> str:
     """One figure of a row. Styles: ciN (value [lo, hi], N decimals), N (decimals),
     eN (scientific), pctN (a share x 100), relN (a relative change, signed %, with its interval),
-    diffN (a signed difference with its interval), mix (the tier mix), text."""
+    diffN (a signed difference with its interval), kciN and kdiffN (ciN and diffN x 1000: a cost per
+    request shown per 1k requests), mix (the tier mix), text."""
     if style == "text":
         return row[column]
     if style == "mix":
@@ -169,6 +170,10 @@ def fmt(row: Mapping[str, str], column: str, style: str = "") -> str:
         return f"{100 * value:+.{n}f}%{interval(100, '+')}"
     if kind == "diff":
         return f"{value:+.{n}f}{interval(1, '+')}"
+    if kind == "kci":
+        return f"{1000 * value:.{n}f}{interval(1000)}"
+    if kind == "kdiff":
+        return f"{1000 * value:+.{n}f}{interval(1000, '+')}"
     return f"{value:,.{n}f}"
 
 

@@ -140,7 +140,10 @@ class Estimators:
         (serving/explore.py) tries it on a bounded share of requests, and its
         labels from traffic give it its own estimate at a refresh.
         """
-        embeddings = self.embedder.embed(prompts)
+        return self.for_embedded(self.embedder.embed(prompts), instances)
+
+    def for_embedded(self, embeddings: np.ndarray, instances) -> Estimates:
+        """`for_instances` of prompts already embedded."""
         est = self.estimate_embedded(embeddings)
         column = {m: j for j, m in enumerate(est.models)}
         missing = sorted({i.model for i in instances} - column.keys())

@@ -16,10 +16,10 @@ from gateway.lab.experiments.tables import duration, format_pairs, format_rows
 
 def add_commands(sub, config_option) -> None:
     """The lab's subcommands; `config_option(parser)` adds the shared --config option."""
-    from gateway.lab.experiments.catalog import SWEEPS
+    from gateway.lab.experiments.catalog import ON_CAPACITY, SWEEPS
     from gateway.policies import registry
 
-    sweep_names = tuple(SWEEPS)
+    sweep_names = (*SWEEPS, *ON_CAPACITY)
     p = sub.add_parser("train", help="build the estimator artefacts (index, labels, TPOT heads) and report accuracy")
     config_option(p)
     p.add_argument("--out", type=Path, help="output directory (default: [estimators].models_dir)")
@@ -94,7 +94,8 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes for a sweep")
     p.add_argument("--out", type=Path, default=Path("loadtest/results"),
                    help="where a sweep writes NAME.{csv,json,png}, NAME_pairs.{csv,json} and NAME_seeds.csv")
-    p.add_argument("--workload", help="labelled JSONL whose held-out split is replayed (default: synthetic)")
+    p.add_argument("--workload", help="labelled JSONL replayed cross-fitted: each fold routed by estimators fitted "
+                   "on the other folds (default: the synthetic held-out prompts)")
     p.add_argument("--policy", default="routebalance", choices=registry.names(), metavar="POLICY",
                    help="one cell: a registered policy (`routebalance policies` describes each): "
                         + ", ".join(registry.names()))
@@ -370,14 +371,26 @@ def _sim_compare(args, spec, tags: dict, seeds: list[int]) -> int:
 
 
 def _sim_sweep(args) -> int:
-    from gateway.lab.experiments.catalog import PAIRS, SWEEPS
+    from gateway.lab.experiments.catalog import ON_CAPACITY, PAIRS, SWEEPS
     from gateway.lab.experiments.plots import plot_sweep, require_matplotlib
     from gateway.lab.experiments.sweeps import estimate_seconds, run_seeded, write_sweep
 
     require_matplotlib()  # before the sweep's minutes, not after
     seeds = 5 if args.seeds is None else args.seeds
-    cells = SWEEPS[args.sweep](args.requests)
-    pairs = PAIRS[args.sweep](cells)
+    if args.sweep in ON_CAPACITY:
+        if not args.workload:
+            raise ValueError(f"--sweep {args.sweep} replays a labelled file: give it with --workload FILE")
+        make_cells, make_pairs, capacity_cell = ON_CAPACITY[args.sweep]
+        probe_cell = capacity_cell(args.requests)
+        probe = run_seeded([probe_cell], str(args.config), probe_cell.spec.requests, workload=args.workload).rows[0]
+        capacity = probe["throughput"]
+        print(f"the pool's capacity on {args.workload}: {capacity:.2f} req/s ({probe['label']} dispatch, "
+              f"{probe['rate']:g} req/s offered)", flush=True)
+        cells = make_cells(args.requests, capacity)
+        pairs = make_pairs(cells)
+    else:
+        cells = SWEEPS[args.sweep](args.requests)
+        pairs = PAIRS[args.sweep](cells)
     estimate = estimate_seconds(cells, args.requests, seeds, args.workers)
     print(f"{args.sweep}: {len(cells)} cells x {seeds} seeds of {args.requests} requests on {args.workers} workers, "
           f"{len(pairs)} paired comparisons; about {duration(estimate)} (more if the cores are shared)", flush=True)

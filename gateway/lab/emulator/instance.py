@@ -10,18 +10,17 @@ import asyncio
 import itertools
 import random
 
-from gateway.core.engine.engine import Engine, Sequence, StepReport
-from gateway.core.engine.profiles import spec_for_instance
+from gateway.core.engine.engine import Engine, EngineSpec, Sequence, StepReport
 from gateway.lab.emulator.settings import FaultsConfig
 from gateway.lab.emulator.vllm_metrics import VllmMetrics
 
 
 class EmulatedInstance:
-    def __init__(self, cfg, faults: FaultsConfig, *, now: float, seed: int):
+    def __init__(self, cfg, faults: FaultsConfig, spec: EngineSpec, *, now: float, seed: int):
+        """`cfg`: the instance's config entry; `spec`: its engine model (settings.engine_for)."""
         self.cfg = cfg
         self.name: str = cfg.name
         self.model: str = cfg.model
-        spec = spec_for_instance(cfg)
         self.engine = Engine(spec, now=now)
         self.metrics = VllmMetrics(
             cfg.model,

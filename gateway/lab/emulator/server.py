@@ -22,7 +22,7 @@ from gateway.core.engine.profiles import arch_for
 from gateway.lab.emulator.instance import EmulatedInstance
 from gateway.lab.emulator.logprobs import MAX_LOGPROBS, TokenLogprobs, chat_content, completion_logprobs
 from gateway.lab.emulator.outputs import Answer, OutputLengths
-from gateway.lab.emulator.settings import FaultsConfig, emulator_of, faults_of
+from gateway.lab.emulator.settings import FaultsConfig, emulator_of, engine_for, faults_of
 from gateway.lab.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.tokens import TokenCounter, content_text
 
@@ -288,7 +288,8 @@ class EmulatedPool:
         loop_now = asyncio.get_running_loop().time()
         settings = emulator_of(config)
         seed = settings.seed
-        self.instances = {c.name: EmulatedInstance(c, faults_of(config, k), now=loop_now, seed=seed)
+        self.instances = {c.name: EmulatedInstance(c, faults_of(config, k), engine_for(config, c), now=loop_now,
+                                                    seed=seed)
                           for k, c in enumerate(config.instances)}
         means = {c.model: arch_for(c.model).mean_output_tokens for c in config.instances}
         self.lengths = lengths or OutputLengths(means, seed=seed)

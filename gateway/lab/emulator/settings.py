@@ -7,7 +7,16 @@ reload (`checked`), so a typo is an error naming its key, as anywhere else in th
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import field
+from typing import Literal
+
 from gateway.config_schema import ConfigError, Section, build_section, option, section
+from gateway.core.engine.engine import EngineSpec
+from gateway.core.engine.profiles import spec_for_instance
+from gateway.lab.workload.synthetic import LabelConstants
+from gateway.lab.workload.worlds import world_labels
 
 
 @section
@@ -16,6 +25,17 @@ class EmulatorConfig(Section):
 
     tick_s: float = option(0.01, gt=0)
     seed: int = 0
+    # The simulated world (gateway/lab/workload/worlds.py): the synthetic workload's labels that `train`,
+    # `sim` and the emulator answer with. "untuned" comes with its own config (gateway/lab/worlds/).
+    world: Literal["calibrated", "untuned"] = "calibrated"
+    # Per model: the engine's extra decode-step time per extra sequence, as a share of a lone step (default:
+    # the architecture's, gateway/core/engine/profiles.py).
+    batch_slopes: Mapping[str, float] = field(default_factory=dict)
+
+    def _validate(self) -> None:
+        for model, slope in self.batch_slopes.items():
+            if not 0 <= slope <= 1:
+                raise ConfigError(f"must be in [0, 1], got {slope!r}", f"batch_slopes.{model}")
 
 
 @section
@@ -28,12 +48,29 @@ class FaultsConfig(Section):
 
 
 def emulator_of(config) -> EmulatorConfig:
-    return build_section(EmulatorConfig, dict(config.emulator), "emulator")
+    return build_section(EmulatorConfig, _plain(config.emulator), "emulator")
+
+
+def _plain(table: Mapping) -> dict:
+    """A table the serving config froze (read-only mappings, tuples), as TOML gave it: the schema reads dicts."""
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in table.items()}
 
 
 def faults_of(config, index: int) -> FaultsConfig:
     """The fault knobs of the config's instance `index`."""
     return build_section(FaultsConfig, dict(config.instances[index].faults), f"instances[{index}].faults")
+
+
+def engine_for(config, inst) -> EngineSpec:
+    """The engine model of an emulated or simulated instance: its profile, with the world's batch slope."""
+    spec = spec_for_instance(inst)
+    slope = emulator_of(config).batch_slopes.get(inst.model)
+    return spec if slope is None else dataclasses.replace(spec, batch_slope=slope)
+
+
+def label_constants(config) -> LabelConstants:
+    """What the config's world sets of the synthetic workload's labels."""
+    return world_labels(emulator_of(config).world)
 
 
 def checked(config):

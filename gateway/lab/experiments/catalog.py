@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gateway.lab.experiments import eldr_eval, progressive_eval, qos_eval, slo_sweeps, sweeps
+from gateway.lab.experiments import eldr_eval, labelled_sweep, progressive_eval, qos_eval, slo_sweeps, sweeps
 from gateway.lab.experiments.sweeps import Cell, Pair
 
 SWEEPS: dict[str, Callable[[int], list[Cell]]] = {
@@ -20,3 +20,10 @@ PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
     "progressive": progressive_eval.progressive_pairs}
 # Held-out prompts per cell when `--requests` is not given (the others: 2500).
 REQUESTS: dict[str, int] = {"staleness": sweeps.STALENESS_REQUESTS, "progressive": progressive_eval.REQUESTS}
+
+# Sweeps on a labelled file (`--workload`), whose rates are shares of the pool's capacity on that file: the
+# cells at a measured capacity, their pairs, and the cell that measures it.
+ON_CAPACITY: dict[str, tuple[Callable[[int, float], list[Cell]], Callable[[Sequence[Cell]], list[Pair]],
+                             Callable[[int], Cell]]] = {
+    "labelled": (labelled_sweep.cells, labelled_sweep.pairs, labelled_sweep.capacity_cell)}
+REQUESTS["labelled"] = labelled_sweep.REQUESTS

@@ -463,6 +463,36 @@ def progressive(rows: list[dict], out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "progressive.png")]
 
 
+def labelled(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per load on a labelled file: every cell's correctness against its cost, the single models' upper hull
+    as a line, and mean E2E against load for each system."""
+    from gateway.estimators.crossfit import upper_hull
+
+    loads = sorted({r["load"] for r in rows})
+    fig, axes = _pyplot().subplots(1, len(loads) + 1, figsize=(5.2 * (len(loads) + 1), 4.8))
+    palette = _pyplot().get_cmap("tab20")  # more systems than the ten default colours
+    systems = {key: palette(k % 20) for k, key in enumerate(dict.fromkeys((r["system"], r["label"]) for r in rows))}
+    for ax, load in zip(axes, loads, strict=False):
+        here = [r for r in rows if r["load"] == load]
+        for r in here:
+            colour = systems[r["system"], r["label"]]
+            ax.errorbar(1000 * r["cost_mean"], r["quality"], yerr=_err([r], "quality"), c=colour,
+                        marker="s" if r["system"] == "single_model" else "o", capsize=3)
+            ax.annotate(r["label"], (1000 * r["cost_mean"], r["quality"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+        hull = upper_hull([(1000 * r["cost_mean"], r["quality"]) for r in here if r["system"] == "single_model"])
+        ax.plot(*zip(*hull, strict=True), c="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel="USD per 1k requests", ylabel="mean correct",
+               title=f"{load:.0%} of capacity ({here[0]['rate']:g} req/s)")
+    for (system, label), colour in systems.items():
+        _band(axes[-1], [r for r in rows if (r["system"], r["label"]) == (system, label)], "rate", "e2e_mean",
+              colour, label=label)
+    axes[-1].set(xlabel="offered load (req/s)", ylabel="mean E2E (s)", yscale="log", title="latency")
+    axes[-1].legend(fontsize=6)
+    fig.tight_layout()
+    return [_save(fig, out_dir / "labelled.png")]
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -493,4 +523,6 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path, pairs: Sequence[dict]
         return eldr(rows, out_dir)
     if name == "progressive":
         return progressive(rows, out_dir)
+    if name == "labelled":
+        return labelled(rows, out_dir)
     return []

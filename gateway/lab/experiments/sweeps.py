@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from gateway.lab.sim.arrivals import ArrivalSpec
 from gateway.lab.sim.metrics import (
     HEADLINE,
@@ -392,14 +394,12 @@ _WORKER: dict = {}
 
 
 def _load(config_path: str, requests: int, workload: str | None) -> None:
-    """Per worker process: the config, the estimators and the evaluation set, once."""
+    """Per worker process: the config and the world a cell replays (crossfit_world.load_world), once."""
     from gateway.config.store import load_config
-    from gateway.estimators.bundle import Estimators
-    from gateway.lab.sim.evalset import load_evalset
+    from gateway.lab.experiments.crossfit_world import load_world
 
     cfg = load_config(config_path)
-    est = Estimators.load(cfg)  # run_sweep has built them
-    _WORKER.update(cfg=cfg, est=est, evalset=load_evalset(cfg, requests, workload, est))
+    _WORKER.update(cfg=cfg, world=load_world(cfg, requests, workload))  # run_seeded has built the estimators
 
 
 def configured(cfg, changes) -> object:
@@ -427,9 +427,39 @@ def _identity(cell: Cell) -> dict:
 
 
 def run_seed(task: tuple[Cell, int]) -> tuple[dict, RequestArrays]:
-    """One run of a cell on one arrival seed: its row of figures and its per-request outcomes."""
+    """One run of a cell on one arrival seed: its row of figures and its per-request outcomes. A world of
+    several parts (a labelled file's folds) runs each part on its own arrivals (seed x parts + part) and
+    pools their requests."""
     cell, seed = task
-    cfg, est, evalset = _WORKER["cfg"], _WORKER["est"], _WORKER["evalset"]
+    world = _WORKER["world"]
+    share = -(-cell.spec.requests // len(world))  # a part's share of the cell's requests
+    results = [_run_part(cell, evalset, est, seed if len(world) == 1 else seed * len(world) + k, share)
+               for k, (evalset, est) in enumerate(world)]
+    outcomes = tuple(o for r in results for o in r.outcomes)
+    first = results[0]
+    batches = [b for r in results for b in r.batches]
+    row = {**_identity(cell), "seed": seed, **summarise(outcomes, first.models),
+           "batch_mean": sum(batches) / max(len(batches), 1), "swaps": sum(r.swaps for r in results),
+           "swap_s": sum(r.swap_s for r in results)}
+    if len(results) > 1:  # the parts ran side by side in virtual time: as if one after the other
+        row["throughput"] = row["served"] / sum(_span(r.outcomes) for r in results)
+    if cell.spec.replicas > 1:
+        row["info_age_s"] = float(np.mean([r.info_age_s for r in results]))
+    experts = float(np.mean([r.experts_per_step for r in results]))
+    if experts == experts:  # a mixture-of-experts pool
+        row["experts_per_step"] = experts
+    return row, RequestArrays.of(outcomes, first.models)
+
+
+def _span(outcomes) -> float:
+    """First arrival to last answer of a run (as summarise's throughput counts it)."""
+    served = [o.finished for o in outcomes if o.instance >= 0]
+    start = min(o.arrival for o in outcomes)
+    return max(served) - start if served else 0.0
+
+
+def _run_part(cell: Cell, evalset, est, seed: int, requests: int):
+    cfg = _WORKER["cfg"]
     if "instances" in cell.tags:  # a cell on part of the pool (the QoS sweep's N-instance pools)
         from gateway.lab.sim.evalset import subset
 
@@ -438,15 +468,8 @@ def run_seed(task: tuple[Cell, int]) -> tuple[dict, RequestArrays]:
         from gateway.lab.sim.pools import named
 
         cfg, evalset = named(cell.tags["pool"])(cfg, evalset)
-    result = run_cell(configured(cfg, cell.config_changes), evalset, dataclasses.replace(cell.spec, seed=seed), est)
-    row = {**_identity(cell), "seed": seed, **summarise(result.outcomes, result.models),
-           "batch_mean": sum(result.batches) / max(len(result.batches), 1), "swaps": result.swaps,
-           "swap_s": result.swap_s}
-    if cell.spec.replicas > 1:
-        row["info_age_s"] = result.info_age_s
-    if result.experts_per_step == result.experts_per_step:  # a mixture-of-experts pool
-        row["experts_per_step"] = result.experts_per_step
-    return row, RequestArrays.of(result.outcomes, result.models)
+    spec = dataclasses.replace(cell.spec, seed=seed, requests=min(requests, len(evalset)))
+    return run_cell(configured(cfg, cell.config_changes), evalset, spec, est)
 
 
 def run_one(cell: Cell) -> dict:

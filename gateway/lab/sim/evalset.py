@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from gateway.estimators.manifest import read_manifest
+from gateway.lab.emulator.settings import label_constants
 from gateway.lab.workload.synthetic import generate
-from gateway.records import UNKNOWN_KIND, Record, read_jsonl, split
+from gateway.records import MAX_OUTPUT_TOKENS, UNKNOWN_KIND, Record
 from gateway.tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -94,21 +95,13 @@ class EvalSet:
         return self.kinds[r] if r < len(self.kinds) else None
 
 
-def evaluation_records(cfg, n: int, workload: str | None = None) -> list[Record]:
-    """Prompts the estimators never saw in training.
-
-    Synthetic (the default): records after the first `train_records` of the
-    same deterministic stream, which is what `train` learned from. From a
-    labelled JSONL: its held-out split, as `train` splits it.
-    """
-    if workload:
-        records = split(read_jsonl(workload))[1]
-    else:
-        est = cfg.estimators
-        records = generate(est.train_records + n, seed=est.seed, binary=est.labels == "binary")[est.train_records:]
-    if len(records) < n:
-        raise ValueError(f"only {len(records)} held-out records are available; asked for {n}")
-    return records[:n]
+def evaluation_records(cfg, n: int) -> list[Record]:
+    """Prompts the estimators never saw in training: records after the first `train_records` of the same
+    deterministic synthetic stream, which is what `train` learned from. (A labelled file is replayed
+    cross-fitted instead: experiments/crossfit_world.py.)"""
+    est = cfg.estimators
+    return generate(est.train_records + n, seed=est.seed, binary=est.labels == "binary",
+                    world=label_constants(cfg))[est.train_records:]
 
 
 def domain_of(record: Record) -> str | None:
@@ -126,15 +119,14 @@ def _cache_key(manifest: dict, cfg, records: list[Record] = ()) -> str:
     return h.hexdigest()[:16]
 
 
-def load_evalset(cfg, n: int, workload: str | None = None, estimators=None) -> EvalSet:
-    """The evaluation set of n prompts, from the cache or computed (about 12 ms a prompt)."""
-    records = evaluation_records(cfg, n, workload)
+def load_evalset(cfg, n: int, estimators=None) -> EvalSet:
+    """The synthetic evaluation set of n prompts, from the cache or computed (about 12 ms a prompt)."""
+    records = evaluation_records(cfg, n)
     models_dir = Path(cfg.estimators.models_dir)
     manifest = read_manifest(models_dir)
     path = models_dir / "sim" / f"eval-{n}-{_cache_key(manifest, cfg, records)}.npz"
-    tokens = TokenCounter()
-    prompt_tokens = np.array([tokens.count_chat([{"role": "user", "content": r.prompt}]) for r in records])
-    label_score, label_length = _labels(records, cfg.instances)
+    prompt_tokens = prompt_tokens_of(records)
+    label_score, label_length = labels_of(records, cfg.instances)
 
     def bundle():
         nonlocal estimators
@@ -166,15 +158,22 @@ def load_evalset(cfg, n: int, workload: str | None = None, estimators=None) -> E
                    cached["length"], cached["embeddings"], cost, tuple(domain_of(r) for r in records))
 
 
-def _labels(records: list[Record], instances) -> tuple[np.ndarray, np.ndarray]:
-    """Per instance column, the label of its model; a model without labels scores 0 and answers 150 tokens."""
+def prompt_tokens_of(records: list[Record]) -> np.ndarray:
+    """Each prompt's tokens as one user turn through the chat template (as the gateway and emulator count)."""
+    tokens = TokenCounter()
+    return np.array([tokens.count_chat([{"role": "user", "content": r.prompt}]) for r in records])
+
+
+def labels_of(records: list[Record], instances) -> tuple[np.ndarray, np.ndarray]:
+    """Per instance column, the label of its model (lengths clipped at MAX_OUTPUT_TOKENS, the longest answer
+    the emulator gives); a model without labels scores 0 and answers 150 tokens."""
     score = np.zeros((len(records), len(instances)))
     length = np.full((len(records), len(instances)), 150.0)
     for r, rec in enumerate(records):
         for i, inst in enumerate(instances):
             lab = rec.models.get(inst.model)
             if lab is not None:
-                score[r, i], length[r, i] = lab.score, max(1, lab.output_length)
+                score[r, i], length[r, i] = lab.score, min(max(1, lab.output_length), MAX_OUTPUT_TOKENS)
     return score, length
 
 

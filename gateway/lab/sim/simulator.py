@@ -42,7 +42,7 @@ import numpy as np
 
 from gateway.core.budget import per_token, predicted_cost, price_arrays
 from gateway.core.engine.engine import Engine
-from gateway.core.engine.profiles import load_seconds, spec_for_instance
+from gateway.core.engine.profiles import load_seconds
 from gateway.core.engine.shared_gpu import SharedGpu, gpu_groups
 from gateway.core.loop import SchedulingLoop
 from gateway.core.policy import Policy
@@ -50,6 +50,7 @@ from gateway.core.pool_state import EngineSnapshot, PoolState
 from gateway.core.request import Completion, Estimates, Refusal, RouteRequest, Ticket
 from gateway.core.slo import check_slo_mix, slo_class
 from gateway.core.view import PoolView
+from gateway.lab.emulator.settings import engine_for
 from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.lab.sim.evalset import EvalSet
 from gateway.lab.sim.progressive import ProgressivePlans, fold, plan_all, row_lengths
@@ -175,9 +176,11 @@ def named_models(spec: CellSpec, n: int) -> list[str | None]:
     return [spec.models[min(k, len(spec.models) - 1)][0] for k in picks]
 
 
-def shared_gpus(instances, spec: CellSpec) -> list[SharedGpu]:
-    """Every instance's engine, on a GPU of its own or time-sharing one with those of its `gpu_id`."""
-    return [SharedGpu({k: Engine(spec_for_instance(instances[k])) for k in group},
+def shared_gpus(cfg, spec: CellSpec) -> list[SharedGpu]:
+    """Every instance's engine (in the config's world), on a GPU of its own or time-sharing one with those of
+    its `gpu_id`."""
+    instances = cfg.instances
+    return [SharedGpu({k: Engine(engine_for(cfg, instances[k])) for k in group},
                       {k: load_seconds(instances[k].model, instances[k].gpu_count) for k in group}, spec.host_slots)
             for group in gpu_groups(instances)]
 
@@ -226,7 +229,7 @@ class Simulation:
         serving = {m: tuple(k for k, inst in enumerate(instances) if m in (None, inst.model)) for m in set(named)}
         if not all(serving.values()):
             raise ValueError(f"no instance serves {[m for m, c in serving.items() if not c]}")
-        self.gpus = shared_gpus(instances, spec)
+        self.gpus = shared_gpus(cfg, spec)
         if spec.progressive and any(gpu.shared for gpu in self.gpus):
             raise ValueError("progressive cells need a GPU per instance (a shared GPU's step ends are not known "
                              "ahead while its models swap)")

@@ -49,6 +49,7 @@ import xgboost as xgb
 
 from gateway.artefacts import ArtefactError
 from gateway.config.sections import Instance
+from gateway.core.engine.engine import EngineSpec
 from gateway.core.engine.profiles import arch_for
 from gateway.core.view import tier_key
 from gateway.estimators.crossfit import (
@@ -76,6 +77,7 @@ from gateway.estimators.manifest import (
     write_manifest,
 )
 from gateway.estimators.minilm_export import export_minilm_onnx
+from gateway.lab.emulator.settings import emulator_of, engine_for
 from gateway.lab.training.routing_report import format_routing, picks, pricing_of, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
 from gateway.learning.labels import prompt_hash
@@ -137,6 +139,7 @@ class TierInputs:
     tpot_prior_ms: float
     sweep_instance: Instance | None  # whose engine model the virtual sweep runs; None: GPU memory size unknown
     profiled: tuple[dict, ...] = ()  # its rows in the trace files given to this build
+    engine: EngineSpec | None = None  # the sweep instance's engine model in the config's world
 
     @property
     def buildable(self) -> bool:
@@ -161,7 +164,7 @@ class TierInputs:
     @property
     def batch_slope(self) -> float | None:
         """The engine model's batch slope the virtual sweep runs with (None: no sweep)."""
-        return arch_for(self.sweep_instance.model).batch_slope if self.sweep_instance is not None else None
+        return self.engine.batch_slope if self.engine is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +177,13 @@ class TrainInputs:
     binary: bool  # synthetic 0/1 labels (ignored for a file)
     max_tokens: int  # the embedder's truncation: the index holds embeddings made with it
     tiers: tuple[TierInputs, ...]
+    world: str = "calibrated"  # whose labels the synthetic workload has (workload/worlds.py; ignored for a file)
 
     def fingerprint(self) -> dict:
         """What the embedder, the KNN index and every head share: a change here rebuilds them all."""
         source = ({"path": self.workload, "sha256": sha256_of(Path(self.workload))} if self.workload
-                  else {"synthetic": SYNTHETIC_WORLD, "records": self.records, "binary": self.binary})
+                  else {"synthetic": SYNTHETIC_WORLD, "records": self.records, "binary": self.binary,
+                        **({"world": self.world} if self.world != "calibrated" else {})})
         return {"workload": source, "seed": self.seed, "max_tokens": self.max_tokens, "versions": versions()}
 
 
@@ -187,11 +192,14 @@ def inputs_from_config(config, workload: str | None = None, trace_files=()) -> T
     members: dict[str, list[Instance]] = {}
     for inst in config.instances:
         members.setdefault(tier_key(inst.model, inst.gpu), []).append(inst)
-    tiers = tuple(TierInputs(key, insts[0].tpot_prior_ms, _sweepable(insts), tuple(profiled.get(key, ())))
-                  for key, insts in members.items())
+    tiers = []
+    for key, insts in members.items():
+        sweep = _sweepable(insts)
+        tiers.append(TierInputs(key, insts[0].tpot_prior_ms, sweep, tuple(profiled.get(key, ())),
+                                None if sweep is None else engine_for(config, sweep)))
     est = config.estimators
     return TrainInputs(workload or est.workload, est.train_records, est.seed, est.labels == "binary",
-                       est.max_tokens, tiers)
+                       est.max_tokens, tuple(tiers), emulator_of(config).world)
 
 
 def _sweepable(instances: list[Instance]) -> Instance | None:
@@ -213,8 +221,9 @@ def load_workload(inputs: TrainInputs) -> list[Record]:
         return read_jsonl(inputs.workload)
     # The generator is a data-making tool, off the serving path: imported only to build from it.
     from gateway.lab.workload.synthetic import generate
+    from gateway.lab.workload.worlds import world_labels
 
-    return generate(inputs.records, seed=inputs.seed, binary=inputs.binary)
+    return generate(inputs.records, seed=inputs.seed, binary=inputs.binary, world=world_labels(inputs.world))
 
 
 def label_arrays(records: list[Record], models: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -326,8 +335,8 @@ def fit_tier_head(tier: TierInputs, records: list[Record], seed: int) -> tuple[x
     else:
         inst = tier.sweep_instance
         lengths = tier_lengths(records, inst.model, seed)
-        train_rows = virtual_sweep(inst, lengths, seed=seed)
-        test_rows = virtual_sweep(inst, lengths[::-1], seed=seed + 1)
+        train_rows = virtual_sweep(inst, lengths, seed=seed, engine=tier.engine)
+        test_rows = virtual_sweep(inst, lengths[::-1], seed=seed + 1, engine=tier.engine)
         source = "virtual sweep of the emulator engine"
     booster = fit_head(*to_arrays(train_rows), seed=seed)
     xt, yt = to_arrays(test_rows)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from gateway.core.engine.engine import Engine
+from gateway.core.engine.engine import Engine, EngineSpec
 from gateway.core.engine.profiles import arch_for, spec_for_instance
 from gateway.core.pool_state import EngineSnapshot, InstanceState
 from gateway.core.view import tier_key
@@ -26,32 +26,34 @@ from gateway.estimators.latency import FEATURES
 SWEEP_LOAD = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)  # shares of the tier's estimated request capacity
 
 
-def capacity_rps(inst, mean_output_tokens: float) -> float:
+def capacity_rps(spec: EngineSpec, mean_output_tokens: float) -> float:
     """Rough request ceiling of one instance: its decode ceiling over the mean answer."""
-    spec = spec_for_instance(inst)
     return 1.0 / (spec.tpot_s * spec.batch_slope) / mean_output_tokens
 
 
 def virtual_sweep(inst, lengths: list[tuple[int, int]], *, requests_per_rate: int = 400,
-                  loads: Iterable[float] = SWEEP_LOAD, scrape_interval_s: float = 0.5, seed: int = 0) -> list[dict]:
-    """Poisson sweeps against one instance's engine model, in virtual time.
+                  loads: Iterable[float] = SWEEP_LOAD, scrape_interval_s: float = 0.5, seed: int = 0,
+                  engine: EngineSpec | None = None) -> list[dict]:
+    """Poisson sweeps against one instance's engine model (`engine`, default its profile's), in virtual time.
 
     `lengths` are (prompt_tokens, output_tokens) pairs drawn in turn; rates are
     shares of the instance's estimated capacity."""
+    spec = engine or spec_for_instance(inst)
     rng = random.Random(seed)
     mean_out = float(np.mean([o for _, o in lengths])) if lengths else arch_for(inst.model).mean_output_tokens
     rows: list[dict] = []
     for load in loads:
-        rate = load * capacity_rps(inst, mean_out)
+        rate = load * capacity_rps(spec, mean_out)
         offset = int(load * 1000)  # each rate starts at a different place in `lengths`
-        rows += _sweep_at(inst, rate, lengths[offset % len(lengths):] + lengths[:offset % len(lengths)],
+        rows += _sweep_at(inst, spec, rate, lengths[offset % len(lengths):] + lengths[:offset % len(lengths)],
                           requests_per_rate, scrape_interval_s, rng)
     return rows
 
 
-def _sweep_at(inst, rate: float, lengths, requests: int, scrape_interval_s: float, rng: random.Random) -> list[dict]:
+def _sweep_at(inst, spec: EngineSpec, rate: float, lengths, requests: int, scrape_interval_s: float,
+              rng: random.Random) -> list[dict]:
     tier = tier_key(inst.model, inst.gpu)
-    engine, state = Engine(spec_for_instance(inst)), InstanceState()
+    engine, state = Engine(spec), InstanceState()
     rows: list[dict] = []
     dispatch_features: dict[int, list[float]] = {}
     generated_total = 0

@@ -42,9 +42,10 @@ from different seeds agree about which model is good at what.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,14 +182,15 @@ def _world_rng(*names: str) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest, "big"))
 
 
-def _build_world() -> dict[tuple[str, str], TopicTraits]:
+@functools.cache  # one table per world's affinity scales
+def _build_world(affinity_scale: tuple[float, ...] = AFFINITY_SCALE) -> dict[tuple[str, str], TopicTraits]:
     traits = {}
     for kind in KINDS:
         for topic in text.topics(kind):
             rng = _world_rng(kind, topic)
             shift, answer = rng.normal(0, 1, 2)
             affinity = (rng.normal(0, AFFINITY_SD, len(POOL_MODELS))
-                        + rng.normal(0, LEVEL_AFFINITY_SD, (3, len(POOL_MODELS)))) * np.array(AFFINITY_SCALE)
+                        + rng.normal(0, LEVEL_AFFINITY_SD, (3, len(POOL_MODELS)))) * np.array(affinity_scale)
             traits[kind, topic] = (shift * TOPIC_SHIFT_SD, affinity, answer * ANSWER_TOPIC_SIGMA)
     # Centre the topic tables (weighted by how often each topic occurs), so they move prompts
     # around without moving the per-model means that the paper pins down.
@@ -203,8 +205,6 @@ def _build_world() -> dict[tuple[str, str], TopicTraits]:
         world[kt] = TopicTraits(float(shift - mean_shift), aff, math.exp(ans - mean_answer))
     return world
 
-
-WORLD = _build_world()
 
 # --- one record ---------------------------------------------------------------------------------
 
@@ -243,9 +243,22 @@ def _write_prompt(dice: Dice, latent: Latent, target: int, seen: set[str]) -> st
     raise RuntimeError(f"could not write a new {latent.kind}/{latent.topic} prompt")
 
 
-def _labels(rng: np.random.Generator, latent: Latent, models: Sequence[str]) -> dict[str, ModelLabel]:
-    kind = KINDS[latent.kind]
-    world = WORLD[latent.kind, latent.topic]
+@dataclass(frozen=True)
+class LabelConstants:
+    """What a world sets of the labels (worlds.py): per model and per kind, and the topics' affinity scales."""
+
+    models: Mapping[str, ModelProfile]
+    kinds: Mapping[str, KindProfile]  # only base, gap and answer are read: the prompts stay this module's
+    affinity_scale: tuple[float, ...]
+
+
+CALIBRATED = LabelConstants(MODELS, KINDS, AFFINITY_SCALE)
+
+
+def _labels(rng: np.random.Generator, latent: Latent, models: Sequence[str],
+            world_constants: LabelConstants = CALIBRATED) -> dict[str, ModelLabel]:
+    kind = world_constants.kinds[latent.kind]
+    world = _build_world(world_constants.affinity_scale)[latent.kind, latent.topic]
     d = latent.difficulty
     # One draw of every noise term for all pool models, whatever subset is asked for, so a
     # model's labels do not depend on which other models are listed.
@@ -259,7 +272,7 @@ def _labels(rng: np.random.Generator, latent: Latent, models: Sequence[str]) -> 
     labels = {}
     for name in models:
         i = POOL_MODELS.index(name)
-        profile = MODELS[name]
+        profile = world_constants.models[name]
         q = everyone + (profile.gain * kind.gap + world.affinity[latent.level, i]) * ramp(d) + spread * own[i]
         length = (profile.mean_output_tokens * answer * (1 + profile.answer_hard * (d - 0.5))
                   * math.exp(ANSWER_OWN_SIGMA * own_len[i]))
@@ -286,11 +299,12 @@ def latents(n: int = PAPER_SIZE, seed: int = 0) -> list[Latent]:
 
 
 def generate(n: int = PAPER_SIZE, seed: int = 0, models: Sequence[str] = POOL_MODELS,
-             binary: bool = False) -> list[Record]:
+             binary: bool = False, world: LabelConstants = CALIBRATED) -> list[Record]:
     """n labelled records, deterministic for (n, seed); generate(n) is a prefix of generate(m > n).
 
     binary: each score becomes a 0/1 judgement drawn with the graded score as its probability
     (correct or not, as many real data sets label answers); same prompts, same lengths.
+    world: the labels' constants (worlds.py); the prompts are the same in every world.
     """
     unknown = [m for m in models if m not in MODELS]
     if unknown:
@@ -302,7 +316,7 @@ def generate(n: int = PAPER_SIZE, seed: int = 0, models: Sequence[str] = POOL_MO
         latent, target = _draw_latent(text_rng)
         prompt = _write_prompt(Dice(text_rng), latent, target, seen)
         seen.add(prompt)
-        labels = _labels(np.random.default_rng((seed, i, 1)), latent, models)
+        labels = _labels(np.random.default_rng((seed, i, 1)), latent, models, world)
         if binary:
             labels = _binarised(np.random.default_rng((seed, i, 2)), labels)
         records.append(Record(
