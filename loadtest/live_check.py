@@ -1,6 +1,6 @@
 """Run one cell live and in the simulator, and compare them.
 
-    python loadtest/live_check.py [--rate 12] [--requests 600] [--preset uniform] [--config PATH]
+    python loadtest/live_check.py [--rate 12] [--arrivals poisson] [--requests 600] [--preset uniform] [--config PATH]
 
 Starts `routebalance up` (the emulated pool and the gateway) as a child
 process, replays the cell's held-out prompts at the simulator's own arrival
@@ -26,7 +26,7 @@ import httpx
 
 from gateway.config.store import default_config_path, load_config
 from gateway.estimators.bundle import Estimators
-from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
+from gateway.lab.sim.arrivals import KINDS, ArrivalSpec, arrival_times
 from gateway.lab.sim.evalset import load_evalset
 from gateway.lab.sim.metrics import summarise
 from gateway.lab.sim.replay import REQUEST_TIMEOUT_S, replay
@@ -72,6 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=default_config_path())
     ap.add_argument("--rate", type=float, default=12.0)
+    ap.add_argument("--arrivals", default="poisson", choices=KINDS,
+                    help="the arrival process at mean --rate (azure: the Azure LLM inference trace's gaps)")
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--preset", default="uniform")
     ap.add_argument("--seed", type=int, default=0)
@@ -84,8 +86,8 @@ def main() -> int:
     estimators = Estimators.load(cfg)
     ev = load_evalset(cfg, args.requests, estimators=estimators)
     w = cfg.weights(args.preset)
-    spec = CellSpec("routebalance", (w.quality, w.latency, w.cost), ArrivalSpec(rate=args.rate), args.requests,
-                    args.seed)
+    spec = CellSpec("routebalance", (w.quality, w.latency, w.cost), ArrivalSpec(args.arrivals, args.rate),
+                    args.requests, args.seed)
 
     base = f"http://{cfg.server.host}:{cfg.server.port}"
     stack = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "up",
@@ -109,7 +111,8 @@ def main() -> int:
     result = run_cell(cfg, ev, spec, estimators)
     sim = summarise(result.outcomes, result.models)
     lines, ok = compare(sim, live)
-    print(f"{args.requests} requests at {args.rate:g} req/s, preset {args.preset}; live run {live_s:.0f} s")
+    print(f"{args.requests} requests at {args.rate:g} req/s ({spec.arrivals.label()}), preset {args.preset}; "
+          f"live run {live_s:.0f} s")
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -2,13 +2,15 @@
 
     routebalance up &
     python loadtest/residual.py --rate 30 --seconds 60       # writes loadtest/results/residual.{json,png}
+    python loadtest/residual.py --rate 30 --arrivals azure   # the Azure trace's gaps: residual_azure.{json,png}
 
-Sends held-out prompts (non-streamed, max_tokens 16) at Poisson arrivals from one asyncio process (loopback
-only, bounded by --seconds and by 10,000 requests), then reads the scheduler's histograms from /metrics,
-the difference over the run: per request, the wait for its batch to fire and arrival to decision; per
-batch, the estimate (embedding + KNN) and the decision (scoring + assignment). Quantiles are the upper
-bound of the histogram bucket that holds them. Run it against a fresh gateway on a quiet machine: the
-gateway shares the cores with the emulated pool and this generator.
+Sends held-out prompts (non-streamed, max_tokens 16) at the simulator's arrival times (arrivals.py, Poisson
+unless --arrivals) from one asyncio process (loopback only, bounded by --seconds and by 10,000 requests),
+then reads the scheduler's histograms from /metrics, the difference over the run: per request, the wait for
+its batch to fire and arrival to decision; per batch, the estimate (embedding + KNN) and the decision
+(scoring + assignment). Quantiles are the upper bound of the histogram bucket that holds them. Run it
+against a fresh gateway on a quiet machine: the gateway shares the cores with the emulated pool and this
+generator. The Azure trace (--arrivals azure) is CC-BY 4.0: P. Patel et al., "Splitwise", ISCA 2024.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 from decisions import histogram  # loadtest/, this script's directory
 from progressive_compare import held_out, require_loopback
 from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.lab.sim.arrivals import KINDS, ArrivalSpec, arrival_times
 
 STAGES = (("routebalance_batch_wait_seconds", "wait for the batch", "request"),
           ("routebalance_estimate_seconds", "estimate (embed + KNN)", "batch"),
@@ -62,9 +66,9 @@ def _bound(cumulative: list[tuple[float, float]], count: float, q: float) -> flo
     return next((1000 * le for le, cum in cumulative if cum >= q * count), float("inf"))
 
 
-async def load(url: str, rate: float, seconds: float, key: str) -> tuple[int, int]:
+async def load(url: str, times: np.ndarray, key: str) -> tuple[int, int]:
+    """Prompt k at `times[k]` seconds from the start (on a schedule: a late send does not delay the next)."""
     prompts = held_out()
-    rng = random.Random(0)
     ok = failed = 0
 
     async def one(c: httpx.AsyncClient, prompt: str) -> None:
@@ -78,11 +82,10 @@ async def load(url: str, rate: float, seconds: float, key: str) -> tuple[int, in
 
     async with httpx.AsyncClient(base_url=url + "/v1", timeout=60, headers={"Authorization": f"Bearer {key}"},
                                  limits=httpx.Limits(max_connections=256)) as c:
-        tasks, start, k = [], time.perf_counter(), 0
-        while time.perf_counter() - start < seconds and k < MAX_REQUESTS:
+        tasks, start = [], time.perf_counter()
+        for k, at in enumerate(times):
+            await asyncio.sleep(start + at - time.perf_counter())
             tasks.append(asyncio.create_task(one(c, prompts[k % len(prompts)])))
-            k += 1
-            await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
     return ok, failed
 
@@ -117,25 +120,33 @@ def main() -> None:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--rate", type=float, default=30.0)
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--arrivals", default="poisson", choices=KINDS,
+                    help="the arrival process at mean --rate (azure: the Azure LLM inference trace's gaps)")
+    ap.add_argument("--seed", type=int, default=0, help="the arrival seed (azure: where in the trace to start)")
     ap.add_argument("--key", default="unused")
     ap.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = ap.parse_args()
     require_loopback(args.url)
     if not (0 < args.rate <= 200 and 0 < args.seconds <= 900):
         raise SystemExit("--rate in (0, 200], --seconds in (0, 900]")
+    arrivals = ArrivalSpec(args.arrivals, args.rate)
+    times = arrival_times(arrivals, MAX_REQUESTS, args.seed)
     before = histograms(httpx.get(args.url + "/metrics", timeout=5).text)
-    ok, failed = asyncio.run(load(args.url, args.rate, args.seconds, args.key))
+    ok, failed = asyncio.run(load(args.url, times[times < args.seconds], args.key))
     rows = summary(before, histograms(httpx.get(args.url + "/metrics", timeout=5).text))
-    title = f"Residual at {args.rate:g} req/s for {args.seconds:g} s: {ok} served, {failed} failed"
+    title = (f"Residual at {args.rate:g} req/s ({arrivals.label()} arrivals) for {args.seconds:g} s: {ok} served, "
+             f"{failed} failed")
     print(title)
     for r in rows.values():
         print(f"  {r['stage']:<26} per {r['per']:<7} mean {r['mean_ms']:7.2f} ms   p50 <= {r['p50_ms']:g} ms   "
               f"p99 <= {r['p99_ms']:g} ms   ({r['count']:.0f})")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "residual.json").write_text(json.dumps({"rate": args.rate, "seconds": args.seconds, "served": ok,
-                                                         "failed": failed, "stages": list(rows.values())}, indent=1))
+    name = "residual" if args.arrivals == "poisson" else f"residual_{args.arrivals}"  # beside Poisson's
+    (args.out / f"{name}.json").write_text(json.dumps({"rate": args.rate, "seconds": args.seconds,
+                                                       "arrivals": arrivals.label(), "seed": args.seed, "served": ok,
+                                                       "failed": failed, "stages": list(rows.values())}, indent=1))
     try:
-        print("wrote", plot(rows, title, args.out / "residual.png"))
+        print("wrote", plot(rows, title, args.out / f"{name}.png"))
     except ImportError:
         print("no plot: pip install '.[eval]' for matplotlib")
 

@@ -30,7 +30,7 @@ def test_every_option_has_help_and_a_fixed_set_of_values_is_listed():
     assert [f"{w} {a.dest}" for w, a in found if not (a.help or "").strip()] == []
     # an option with a fixed set of values says which (argparse's choices, shown by --help)
     named = {(w, a.dest): a for w, a in found}
-    assert named[("routebalance sim", "arrivals")].choices == ("poisson", "gamma", "square")
+    assert named[("routebalance sim", "arrivals")].choices == ("poisson", "gamma", "square", "azure")
     assert "frontier" in named[("routebalance sim", "sweep")].choices
     assert named[("routebalance train-policy", "policy")].choices == ("qos-rl", "eldr")
     assert named[("routebalance", "log_level")].choices == cli.LOG_LEVELS

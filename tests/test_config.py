@@ -84,8 +84,8 @@ def test_default_file_spells_out_the_code_defaults():
     from gateway.lab.emulator.settings import emulator_of
 
     assert emulator_of(written) == emulator_of(implied)  # the emulator's table, read by the lab
-    assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route", "qlm", "edf", "qos",
-                                     "qos_rl", "eldr"}
+    assert set(written.policies) == {"routebalance", "pipeline", "avengers", "best_route", "swap_aware_fcfs", "qlm",
+                                     "edf", "qos", "qos_rl", "eldr"}
     for table in written.policies:
         assert written.options(table) == implied.options(table), table
 

@@ -52,6 +52,7 @@ RESULTS = ROOT / "loadtest" / "results"
 CLAIMS = ROOT / "docs" / "claims.toml"
 LABELS = ("calibrated", "reproduced", "does not hold", "not comparable")
 IMAGES = {**{p.name: p for p in sorted(RESULTS.glob("*.png"))},
+          **{f"untuned_{p.name}": p for p in sorted(RESULTS.glob("untuned/*.png"))},
           "qos_rl_learning_curve.png": ROOT / "models" / "qos_rl" / "learning_curve.png"}
 
 

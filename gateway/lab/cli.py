@@ -102,8 +102,9 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--preset", default="uniform", help="one cell: RouteBalance preset from the config "
                                                            "(quality, uniform, cost, latency, or one of its own)")
     p.add_argument("--rate", type=float, default=12.0, help="one cell: mean arrivals per second")
-    p.add_argument("--arrivals", default="poisson", choices=("poisson", "gamma", "square"),
-                   help="one cell: the arrival process")
+    p.add_argument("--arrivals", default="poisson", choices=("poisson", "gamma", "square", "azure"),
+                   help="one cell: the arrival process (azure: the Azure LLM inference trace's gaps in order, "
+                        "scaled to --rate, from ../shared/data/arrivals/; the seed picks where it starts)")
     p.add_argument("--shape", type=float, default=0.5, help="one cell: gamma shape (below 1 is bursty)")
     p.add_argument("--budget-share", type=float, default=0.0, help="one cell: share of requests with a budget")
     p.add_argument("--model", help="one cell: every request names this pool model (default: the routing alias)")

@@ -11,13 +11,15 @@ SWEEPS: dict[str, Callable[[int], list[Cell]]] = {
     "frontier": sweeps.frontier, "arms": sweeps.arms, "budget": sweeps.budget, "batching": sweeps.batching,
     "robustness": sweeps.robustness, "qlm": slo_sweeps.qlm, "qlm_cap": slo_sweeps.qlm_cap,
     "qlm_multi": slo_sweeps.qlm_multi, "qos": qos_eval.qos_cells, "staleness": sweeps.staleness,
-    "eldr": eldr_eval.eldr_cells, "progressive": progressive_eval.progressive_cells}
+    "eldr": eldr_eval.eldr_cells, "progressive": progressive_eval.progressive_cells,
+    "qlm_trace": slo_sweeps.qlm_trace, "qos_trace": qos_eval.qos_trace}
 PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
     "frontier": sweeps.frontier_pairs, "arms": sweeps.arms_pairs, "budget": sweeps.budget_pairs,
     "batching": sweeps.batching_pairs, "robustness": sweeps.robustness_pairs, "qlm": slo_sweeps.qlm_pairs,
     "qlm_cap": slo_sweeps.qlm_cap_pairs, "qlm_multi": slo_sweeps.qlm_multi_pairs, "qos": qos_eval.qos_pairs,
     "staleness": sweeps.staleness_pairs, "eldr": eldr_eval.eldr_pairs,
-    "progressive": progressive_eval.progressive_pairs}
+    "progressive": progressive_eval.progressive_pairs, "qlm_trace": slo_sweeps.qlm_pairs,
+    "qos_trace": qos_eval.qos_pairs}
 # Held-out prompts per cell when `--requests` is not given (the others: 2500).
 REQUESTS: dict[str, int] = {"staleness": sweeps.STALENESS_REQUESTS, "progressive": progressive_eval.REQUESTS}
 

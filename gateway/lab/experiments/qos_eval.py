@@ -21,6 +21,10 @@ Arrival rates scale with N (`RATE_PER_INSTANCE` per instance), so each pool
 is as loaded as the next and the smallest is not simply swamped; the paper
 keeps lambda fixed while N grows (its Fig. 11), which `rate_for` can do too.
 
+`qos_trace` (`routebalance sim --sweep qos_trace`): the N = 6 cells, every
+bound, with the Azure LLM inference trace's arrivals (arrivals.py) at the
+same rate as the Poisson and gamma cells.
+
 `bench_decisions` times a policy's decisions per request (the figure behind
 its `compute_s`).
 """
@@ -62,10 +66,10 @@ def _cell(system: str, arrivals: ArrivalSpec, requests: int, bound_ms: float, na
 
 
 def qos_cells(requests: int, cfg=None, sizes: Sequence[int] = POOL_SIZES, bounds_ms: Sequence[float] = BOUNDS_MS,
-              systems: Sequence[str] = SYSTEMS) -> list[Cell]:
-    """Every system at every N (at the headline bound) and every bound (at the headline N), on Poisson
-    and gamma-bursty arrivals at RATE_PER_INSTANCE x N. `cfg`: whose instances the pools are drawn from
-    (default: the packaged config's 13)."""
+              systems: Sequence[str] = SYSTEMS, kinds: Sequence[str] = ("poisson", "gamma")) -> list[Cell]:
+    """Every system at every N (at the headline bound) and every bound (at the headline N), on arrivals of
+    each of `kinds` (gamma's shape GAMMA_SHAPE) at RATE_PER_INSTANCE x N. `cfg`: whose instances the pools
+    are drawn from (default: the packaged config's 13)."""
     if cfg is None:
         from gateway.config.store import default_config_path, load_config
 
@@ -74,9 +78,14 @@ def qos_cells(requests: int, cfg=None, sizes: Sequence[int] = POOL_SIZES, bounds
     settings = {(n, HEADLINE_MS) for n in sizes} | {(HEADLINE_N, b) for b in bounds_ms}
     for n, bound in sorted(settings):
         names = pool_names(cfg.instances, n)
-        for arr in (ArrivalSpec(rate=rate_for(n)), ArrivalSpec("gamma", rate_for(n), shape=GAMMA_SHAPE)):
+        for kind in kinds:
+            arr = ArrivalSpec(kind, rate_for(n), shape=GAMMA_SHAPE)
             cells += [_cell(s, arr, requests, bound, names) for s in systems]
     return cells
+
+
+def qos_trace(requests: int) -> list[Cell]:
+    return qos_cells(requests, sizes=(HEADLINE_N,), kinds=("azure",))
 
 
 def qos_pairs(cells: Sequence[Cell]) -> list[Pair]:

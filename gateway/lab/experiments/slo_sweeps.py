@@ -22,13 +22,24 @@ W_A, multi-model (pools.py): four GPUs time-share five models, one loaded at
 a time, with the same SLO mix at 6 req/s; the tail models take 5%, 15% or
 30% of the requests. The simulated GPUs swap models (engine/shared_gpu.py);
 QLM plans around the swaps and warm-starts the models next in its queues.
-The ablation adds warm start to the other operations.
+The ablation adds warm start to the other operations. Beside vLLM's own FCFS
+(each GPU swaps whenever its next request is of another model), the
+swap-aware FCFS an operator of such GPUs would configure (`swap_aware_fcfs`:
+a GPU keeps its model while that model has requests, up to a batch, then
+swaps to the oldest waiting request's model). W_C on W_A: the paper's W_C,
+W_A (middle tail share) with the mega prompts of `qlm`'s W_C.
 
     routebalance sim --sweep qlm_cap
 
 QLM's pulling cap (`slowdown`: an instance takes requests while its decode
 step stays within this x a lone step) on W_B at 40 req/s and W_C: how much
 throughput the cap costs, and what attainment it buys.
+
+    routebalance sim --sweep qlm_trace
+
+`qlm`'s cells where its claims are (W_B at 40 req/s, W_C with the ablation,
+auto) with the Azure LLM inference trace's arrivals (arrivals.py) at the same
+rates: the same prompts, SLO mix and systems, only the arrival times differ.
 """
 
 from __future__ import annotations
@@ -57,6 +68,9 @@ SLO_PAIRED = ("slo_attainment", "e2e_mean", "quality")
 W_A_TAIL_SHARES = (0.05, 0.15, 0.3)
 W_A_RATE = 6.0
 W_A_ABLATION = (("no warm start", {"warm_start": False}), *ABLATION)
+W_A, W_C_ON_W_A = "W_A multi-model", "W_C on W_A (mega prompts)"
+SWAP_AWARE = "swap-aware FCFS"
+TRACE_W_B_RATES = (W_B_RATES[-1],)  # the trace sweep's W_B: the overload, where the systems differ
 
 
 def w_a_mix(tail: float) -> tuple[tuple[str, float], ...]:
@@ -66,27 +80,34 @@ def w_a_mix(tail: float) -> tuple[tuple[str, float], ...]:
 
 
 def _spec(policy: str, rate: float, n: int, model: str | None, mega: float,
-          models: tuple[tuple[str, float], ...] = ()) -> CellSpec:
-    return CellSpec(policy, RB_WEIGHTS["uniform"], ArrivalSpec("gamma", rate, shape=0.5), n, slos=SLO_MIX,
+          models: tuple[tuple[str, float], ...] = (), kind: str = "gamma") -> CellSpec:
+    return CellSpec(policy, RB_WEIGHTS["uniform"], ArrivalSpec(kind, rate, shape=0.5), n, slos=SLO_MIX,
                     stream_below_s=STREAM_BELOW_S, model=model, mega_share=mega, models=models)
 
 
 def _systems(workload: str, rate: float, n: int, model: str | None, mega: float,
-             models: tuple[tuple[str, float], ...] = (), tags: dict | None = None) -> list[Cell]:
+             models: tuple[tuple[str, float], ...] = (), tags: dict | None = None, kind: str = "gamma") -> list[Cell]:
     tags = {"workload": workload, **(tags or {})}
-    return [Cell("qlm", "qlm", _spec("qlm", rate, n, model, mega, models), tags=tags),
-            Cell("edf", "edf", _spec("edf", rate, n, model, mega, models), tags=tags),
-            Cell("routebalance", "uniform (FCFS)", _spec("routebalance", rate, n, model, mega, models), tags=tags),
-            Cell("passthrough", "round_robin (vLLM FCFS)",
-                 _spec("passthrough+round_robin", rate, n, model, mega, models), tags=tags)]
+
+    def spec(policy: str) -> CellSpec:
+        return _spec(policy, rate, n, model, mega, models, kind)
+
+    return [Cell("qlm", "qlm", spec("qlm"), tags=tags), Cell("edf", "edf", spec("edf"), tags=tags),
+            Cell("routebalance", "uniform (FCFS)", spec("routebalance"), tags=tags),
+            Cell("passthrough", "round_robin (vLLM FCFS)", spec("passthrough+round_robin"), tags=tags)]
 
 
-def qlm(n: int) -> list[Cell]:
-    cells = [c for rate in W_B_RATES for c in _systems("W_B one model", rate, n, ONE_MODEL, 0.0)]
-    cells += _systems("W_C mega prompts", W_C_RATE, n, ONE_MODEL, MEGA_SHARE)
-    cells += [Cell("qlm", f"qlm, {label}", _spec("qlm", W_C_RATE, n, ONE_MODEL, MEGA_SHARE), (("qlm", changes),),
-                   {"workload": "W_C mega prompts"}) for label, changes in ABLATION]
-    return cells + _systems("auto", AUTO_RATE, n, None, 0.0)
+def qlm(n: int, kind: str = "gamma", w_b_rates: Sequence[float] = W_B_RATES) -> list[Cell]:
+    """W_B at `w_b_rates`, W_C with the ablation, and auto, on arrivals of `kind` (gamma: shape 0.5)."""
+    cells = [c for rate in w_b_rates for c in _systems("W_B one model", rate, n, ONE_MODEL, 0.0, kind=kind)]
+    cells += _systems("W_C mega prompts", W_C_RATE, n, ONE_MODEL, MEGA_SHARE, kind=kind)
+    cells += [Cell("qlm", f"qlm, {label}", _spec("qlm", W_C_RATE, n, ONE_MODEL, MEGA_SHARE, kind=kind),
+                   (("qlm", changes),), {"workload": "W_C mega prompts"}) for label, changes in ABLATION]
+    return cells + _systems("auto", AUTO_RATE, n, None, 0.0, kind=kind)
+
+
+def qlm_trace(n: int) -> list[Cell]:
+    return qlm(n, "azure", TRACE_W_B_RATES)
 
 
 def qlm_pairs(cells: Sequence[Cell]) -> list[Pair]:
@@ -123,23 +144,35 @@ def qlm_cap_pairs(cells: Sequence[Cell]) -> list[Pair]:
     return pairs
 
 
+def _multi(workload: str, tail: float, n: int, mega: float = 0.0) -> list[Cell]:
+    """The four systems and the swap-aware FCFS on W_A at this tail share."""
+    tags = {"workload": workload, "pool": "W_A", "tail": tail}
+    return [*_systems(workload, W_A_RATE, n, None, mega, w_a_mix(tail), tags),
+            Cell("swap_aware_fcfs", SWAP_AWARE, _spec("swap_aware_fcfs", W_A_RATE, n, None, mega, w_a_mix(tail)),
+                 tags=tags)]
+
+
 def qlm_multi(n: int) -> list[Cell]:
-    """W_A: the four systems at each tail share, and the ablation (warm start too) at the middle one."""
-    cells = [c for tail in W_A_TAIL_SHARES
-             for c in _systems("W_A multi-model", W_A_RATE, n, None, 0.0, w_a_mix(tail), {"pool": "W_A", "tail": tail})]
+    """W_A: the systems at each tail share, and the ablation (warm start too) at the middle one; the paper's W_C
+    (W_A with mega prompts) at the middle one."""
+    cells = [c for tail in W_A_TAIL_SHARES for c in _multi(W_A, tail, n)]
     middle = W_A_TAIL_SHARES[1]
-    tags = {"workload": "W_A multi-model", "pool": "W_A", "tail": middle}
-    return cells + [Cell("qlm", f"qlm, {label}", _spec("qlm", W_A_RATE, n, None, 0.0, w_a_mix(middle)),
-                         (("qlm", changes),), tags) for label, changes in W_A_ABLATION]
+    tags = {"workload": W_A, "pool": "W_A", "tail": middle}
+    cells += [Cell("qlm", f"qlm, {label}", _spec("qlm", W_A_RATE, n, None, 0.0, w_a_mix(middle)), (("qlm", changes),),
+                   tags) for label, changes in W_A_ABLATION]
+    return cells + _multi(W_C_ON_W_A, middle, n, MEGA_SHARE)
 
 
 def qlm_multi_pairs(cells: Sequence[Cell]) -> list[Pair]:
     pairs = []
-    for tail in W_A_TAIL_SHARES:
-        at = {"workload": "W_A multi-model", "tail": tail}
-        pairs += [Pair(f"qlm vs {other}, W_A tail {tail:g}", {"label": "qlm", **at}, {"label": other, **at},
+    for workload, tail in dict.fromkeys((c.tags["workload"], c.tags["tail"]) for c in cells):
+        at = {"workload": workload, "tail": tail}
+        name = "W_A" if workload == W_A else "W_C on W_A"
+        pairs += [Pair(f"qlm vs {other}, {name} tail {tail:g}", {"label": "qlm", **at}, {"label": other, **at},
                        SLO_PAIRED)
-                  for other in ("edf", "uniform (FCFS)", "round_robin (vLLM FCFS)")]
-    at = {"workload": "W_A multi-model", "tail": W_A_TAIL_SHARES[1]}
+                  for other in ("edf", "uniform (FCFS)", "round_robin (vLLM FCFS)", SWAP_AWARE)]
+        pairs.append(Pair(f"{SWAP_AWARE} vs round_robin (vLLM FCFS), {name} tail {tail:g}",
+                          {"label": SWAP_AWARE, **at}, {"label": "round_robin (vLLM FCFS)", **at}, SLO_PAIRED))
+    at = {"workload": W_A, "tail": W_A_TAIL_SHARES[1]}
     return pairs + [Pair(f"qlm vs qlm {label}, W_A", {"label": "qlm", **at}, {"label": f"qlm, {label}", **at},
                          SLO_PAIRED) for label, _ in W_A_ABLATION]
