@@ -26,7 +26,7 @@ class EmulatorConfig(Section):
     tick_s: float = option(0.01, gt=0)
     seed: int = 0
     # The simulated world (gateway/lab/workload/worlds.py): the synthetic workload's labels that `train`,
-    # `sim` and the emulator answer with. "untuned" comes with its own config (gateway/lab/worlds/).
+    # `sim` and the emulator answer with. "untuned" comes with its own config (gateway/examples/untuned-world.toml).
     world: Literal["calibrated", "untuned"] = "calibrated"
     # Per model: the engine's extra decode-step time per extra sequence, as a share of a lone step (default:
     # the architecture's, gateway/core/engine/profiles.py).
