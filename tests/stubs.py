@@ -26,6 +26,19 @@ COUNTER = TokenCounter()
 _IDS = itertools.count(1)  # completion ids, unique as a server's are (feedback names a completion by its id)
 
 
+async def serve(app: web.Application, port: int) -> web.AppRunner:
+    """`app` listening on loopback `port`: its runner, for `close`."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def close(runner: web.AppRunner | None) -> None:
+    if runner is not None:
+        await runner.cleanup()
+
+
 @dataclass
 class Stub:
     """One upstream instance. `mode` keys (all optional):
@@ -51,13 +64,10 @@ class Stub:
         app = web.Application(client_max_size=1 << 26)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._chat)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.runner = await serve(app, self.port)
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        await close(self.runner)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -177,13 +187,10 @@ class StubJudge:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.runner = await serve(app, self.port)
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        await close(self.runner)
 
     async def _chat(self, request: web.Request) -> web.Response:
         body = await request.json()

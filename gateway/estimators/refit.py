@@ -61,12 +61,12 @@ class TrafficLabels:
         return len(self.model)
 
     def without(self, prompts: set) -> TrafficLabels:
-        keep = np.array([p not in prompts for p in self.prompt], dtype=bool)
-        return TrafficLabels(self.x[keep], self.model[keep], self.value[keep], self.weight[keep],
-                             self.censored[keep], self.prompt[keep])
+        return self._rows(np.array([p not in prompts for p in self.prompt], dtype=bool))
 
     def of(self, j: int) -> TrafficLabels:
-        keep = self.model == j
+        return self._rows(self.model == j)
+
+    def _rows(self, keep: np.ndarray) -> TrafficLabels:
         return TrafficLabels(self.x[keep], self.model[keep], self.value[keep], self.weight[keep],
                              self.censored[keep], self.prompt[keep])
 
