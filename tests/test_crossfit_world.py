@@ -52,6 +52,8 @@ def test_each_fold_is_routed_by_estimators_that_never_held_its_prompts(tmp_path,
                 assert evalset.label_length[row, col] == min(label.output_length, MAX_OUTPUT_TOKENS)
         assert np.isfinite(evalset.quality).all() and (evalset.length > 0).all()
     assert replayed == {prompt_hash(r.prompt) for r in records}  # every prompt is replayed
+    # the scheduler's compute is timed once and kept: another process (a sweep's worker) charges the same
+    assert {ev.cost for ev, _ in load_world(cfg, N, str(path), est)} == {ev.cost for ev, _ in world}
 
 
 def test_a_run_pools_the_folds_and_pairs_on_them(tmp_path, built):

@@ -30,7 +30,15 @@ import numpy as np
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.crossfit import choose, folds
 from gateway.estimators.knn import KnnEstimator
-from gateway.lab.sim.evalset import EvalSet, domain_of, labels_of, load_evalset, measure_cost, prompt_tokens_of
+from gateway.lab.sim.evalset import (
+    EvalSet,
+    cache_key,
+    cached_cost,
+    domain_of,
+    labels_of,
+    load_evalset,
+    prompt_tokens_of,
+)
 from gateway.lab.training.build import checked_workload, label_arrays
 from gateway.lab.training.routing_report import pricing_of
 from gateway.learning.labels import prompt_hash
@@ -88,7 +96,6 @@ def crossfit_folds(cfg, workload: str, requests: int, base) -> list:
     cut = folds(len(records), FOLDS, FOLD_SEED, groups=hashes)
     per_fold = math.ceil(requests / FOLDS)
     out = []
-    cost = None
     for f, test in enumerate(cut):
         train = np.setdiff1d(np.arange(len(records)), test)
         choice = choose(x, quality, length, pricing, models, train, seed=cfg.estimators.seed, groups=hashes)
@@ -101,8 +108,10 @@ def crossfit_folds(cfg, workload: str, requests: int, base) -> list:
                  choice.quality.name, choice.length.name, len(train))
         rows = _passes(test, per_fold, seed=f)
         estimates = est.for_embedded(x[rows], cfg.instances)
-        if cost is None:  # the scheduler's compute on these prompts, timed once
-            cost = measure_cost(est, cfg, [records[r].prompt for r in test])
+        if f == 0:  # the scheduler's compute on these prompts, timed once and kept: every worker charges the same
+            pool = cache_key(base.manifest, cfg)  # the build and the pool the cost was timed on
+            cost = cached_cost(cache.with_name(f"cost-{cache.stem}-{pool}.json"), lambda est=est: est, cfg,
+                               [records[r].prompt for r in test])
         out.append((EvalSet(tuple(records[r].prompt for r in rows), tokens[rows], score[rows], answer[rows],
                             estimates.quality, estimates.length, estimates.embeddings, cost,
                             tuple(domain_of(records[r]) for r in rows)), est))

@@ -109,7 +109,7 @@ def domain_of(record: Record) -> str | None:
     return None if record.kind == UNKNOWN_KIND else record.kind
 
 
-def _cache_key(manifest: dict, cfg, records: list[Record] = ()) -> str:
+def cache_key(manifest: dict, cfg, records: list[Record] = ()) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(manifest, sort_keys=True).encode())
     h.update(json.dumps([i.model for i in cfg.instances]).encode())
@@ -124,7 +124,7 @@ def load_evalset(cfg, n: int, estimators=None) -> EvalSet:
     records = evaluation_records(cfg, n)
     models_dir = Path(cfg.estimators.models_dir)
     manifest = read_manifest(models_dir)
-    path = models_dir / "sim" / f"eval-{n}-{_cache_key(manifest, cfg, records)}.npz"
+    path = models_dir / "sim" / f"eval-{n}-{cache_key(manifest, cfg, records)}.npz"
     prompt_tokens = prompt_tokens_of(records)
     label_score, label_length = labels_of(records, cfg.instances)
 
@@ -147,13 +147,8 @@ def load_evalset(cfg, n: int, estimators=None) -> EvalSet:
         np.savez(tmp, **cached)
         tmp.replace(path)
     # Measured once per build and pool, whatever the set's size, so every cell is charged alike.
-    cost_path = models_dir / "sim" / f"cost-{_cache_key(manifest, cfg)}.json"
-    if cost_path.is_file():
-        cost = ComputeCost(**json.loads(cost_path.read_text()))
-    else:
-        cost = measure_cost(bundle(), cfg, [r.prompt for r in records])
-        cost_path.parent.mkdir(parents=True, exist_ok=True)
-        cost_path.write_text(json.dumps(dataclasses.asdict(cost), indent=1))
+    cost = cached_cost(models_dir / "sim" / f"cost-{cache_key(manifest, cfg)}.json", bundle, cfg,
+                       [r.prompt for r in records])
     return EvalSet(tuple(r.prompt for r in records), prompt_tokens, label_score, label_length, cached["quality"],
                    cached["length"], cached["embeddings"], cost, tuple(domain_of(r) for r in records))
 
@@ -182,6 +177,17 @@ def _estimate(estimators, cfg, prompts: list[str], chunk: int = 64) -> dict[str,
     return {"quality": np.concatenate([p.quality for p in parts]),
             "length": np.concatenate([p.length for p in parts]),
             "embeddings": np.concatenate([p.embeddings for p in parts])}
+
+
+def cached_cost(path: Path, estimators, cfg, prompts: list[str]) -> ComputeCost:
+    """The scheduler's compute from `path`, else measured (measure_cost; `estimators()` gives the bundle) and
+    kept there: every process of a sweep, its workers included, then charges the same."""
+    if path.is_file():
+        return ComputeCost(**json.loads(path.read_text()))
+    cost = measure_cost(estimators(), cfg, prompts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(cost), indent=1))
+    return cost
 
 
 def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:
