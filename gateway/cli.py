@@ -16,12 +16,13 @@ from pathlib import Path
 from gateway.config.store import ConfigStore, resolve_config_path
 from gateway.config.watch import watch_file
 from gateway.config_schema import ConfigError
+from gateway.serving.workers import SINGLE, Worker, supervise, workers_problem
 
 log = logging.getLogger("routebalance")
 
 
 async def start_gateway(store: ConfigStore, host: str | None = None, port: int | None = None, *,
-                        build: bool = False):
+                        build: bool = False, worker: Worker = SINGLE):
     """Start the gateway's HTTP server; returns (gateway, runners) for the caller to clean up in order.
 
     Raises ConfigError, before loading anything, when the config must not be
@@ -29,6 +30,7 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
     estimators its policy needs are not built. `build` (what `up` does; `serve`
     never builds): build what is missing first, with the port already
     answering (/health says how far the build is, /health/ready is 503).
+    `worker`: this process's place among `serve --workers` (gateway/serving/workers.py).
     """
     from gateway.tenancy.keys import exposure_problem
 
@@ -43,12 +45,12 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
     placeholder = await _build_while_listening(store, host, port) if build else None
     try:
         estimators = await loop.run_in_executor(None, load_estimators, store.current, store.path)
-        gateway = Gateway(store, estimators, host)
+        gateway = Gateway(store, estimators, host, worker)
         await loop.run_in_executor(gateway.scheduler.executor, gateway.warm_up)
     finally:
         if placeholder is not None:
             await placeholder.cleanup()
-    runners = await listen(gateway, host, port)
+    runners = await listen(gateway, host, port, reuse_port=worker.shared)
     log.info("gateway listening on http://%s:%d/v1", host, port)
     if cfg.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", host, cfg.metrics_port)
@@ -174,7 +176,8 @@ async def run(args) -> int:
         if args.command in ("emulate", "up"):
             pool = await start_emulator(store)
         if args.command in ("serve", "up"):
-            gateway, runners = await start_gateway(store, args.host, args.port, build=args.command == "up")
+            gateway, runners = await start_gateway(store, args.host, args.port, build=args.command == "up",
+                                                   worker=getattr(args, "worker", SINGLE))
             loop.add_signal_handler(signal.SIGHUP, lambda: gateway.reload("SIGHUP"))
         else:  # the emulator alone: reload faults on SIGHUP and on file changes
             loop.add_signal_handler(signal.SIGHUP, store.reload)
@@ -470,7 +473,12 @@ def build_parser(with_lab: bool) -> tuple[argparse.ArgumentParser, dict]:
         if name != "emulate":
             p.add_argument("--host", help="listen address (default: [server].host)")
             p.add_argument("--port", type=int, help="listen port (default: [server].port)")
-        if name != "serve":
+        if name == "serve":
+            p.add_argument("--workers", type=int, default=1,
+                           help="gateway processes sharing the port, one per core (more than 1 needs [state] "
+                                'backend = "redis"; default: 1)')
+            p.add_argument("--worker", type=Worker.parse, default=SINGLE, help=argparse.SUPPRESS)
+        else:
             p.add_argument("--emulator-port", type=int,
                            help="first port of the emulated instances, the others following it (default: the "
                                 "ports of the instances' urls in the config)")
@@ -482,6 +490,26 @@ def build_parser(with_lab: bool) -> tuple[argparse.ArgumentParser, dict]:
         lab.add_commands(sub, config_option)
         commands |= lab.COMMANDS
     return parser, commands
+
+
+def serve_workers(args) -> int:
+    """`serve --workers N`: check the config can be shared by N processes, then supervise them."""
+    from gateway.config.store import load_config
+
+    try:
+        config = load_config(args.config)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    problem = workers_problem(config, args.workers)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    worker_argv = ["--log-level", args.log_level, "serve", "--config", str(args.config)]
+    for option in ("host", "port"):
+        if getattr(args, option) is not None:
+            worker_argv += [f"--{option}", str(getattr(args, option))]
+    return supervise(worker_argv, args.workers, config.server.shutdown_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
+    if args.command == "serve" and args.workers != 1:
+        return serve_workers(args)
     import uvloop
 
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

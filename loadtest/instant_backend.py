@@ -2,6 +2,7 @@
 routers against, so that the routers' own cost is what shows.
 
     python loadtest/instant_backend.py --port 8500
+    python loadtest/instant_backend.py --ports 8501,8502,8503   # one process answering on each port
 
 POST /v1/chat/completions and /v1/completions answer `--tokens` tokens ("ok "), streamed (one chunk a
 token, the usage chunk when asked, [DONE]) or not, with usage; GET /health, /v1/models and a minimal
@@ -11,6 +12,8 @@ vLLM /metrics page (every router under test probes one or the other). Loopback o
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import time
 
 import orjson
@@ -77,10 +80,26 @@ def build(tokens: int) -> web.Application:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8500)
+    parser.add_argument("--ports", help="comma-separated ports to answer on instead of --port (a pool's instances)")
     parser.add_argument("--tokens", type=int, default=8, help="answer length in tokens (stream chunks)")
     args = parser.parse_args()
-    uvloop.install()
-    web.run_app(build(args.tokens), host="127.0.0.1", port=args.port, access_log=None, print=None)
+    ports = [int(p) for p in args.ports.split(",")] if args.ports else [args.port]
+    uvloop.run(serve(build(args.tokens), ports))
+
+
+async def serve(app: web.Application, ports: list[int]) -> None:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":

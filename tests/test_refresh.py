@@ -5,8 +5,10 @@ worse (poisoned feedback) is refused."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tomllib
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -19,6 +21,9 @@ from gateway.estimators.bundle import Estimators
 from gateway.estimators.manifest import read_manifest
 from gateway.lab.workload.synthetic import generate
 from gateway.records import split
+from gateway.serving.metrics import GatewayMetrics
+from gateway.serving.refresh import EstimatorRefresh
+from gateway.serving.workers import Worker
 
 NEW = "acme/Qwen2.5-3B-new"  # a pool model the built labels do not know (the 3B tier, renamed)
 SMALL, BIG = "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-72B-Instruct"
@@ -58,6 +63,12 @@ def share(client: openai.OpenAI, model: str, prompts: list[str]) -> tuple[float,
     return sum(m == model for m, _, _ in picks) / len(picks), {v for _, v, _ in picks}
 
 
+def follower(cfg) -> EstimatorRefresh:
+    """What another worker of the host holds of the refresh: its estimators (as loaded now) and their refresher."""
+    scheduler = SimpleNamespace(estimators=Estimators.load(cfg))
+    return EstimatorRefresh(scheduler, None, None, GatewayMetrics(), Worker(1, 2))  # type: ignore[arg-type]
+
+
 PROBES = [f"Explain step {k} of brewing tea, briefly." for k in range(16)]
 
 
@@ -67,6 +78,9 @@ def test_feedback_and_a_refresh_change_later_picks_and_a_rollback_undoes_it(tmp_
         client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=30)
         before, versions = share(client, NEW, PROBES)
         assert versions == {"v1"}
+        # A second worker of the same host (`serve --workers 2`), loaded before the refresh: it follows.
+        other = follower(load_config(stack.config_path))
+        assert other.scheduler.estimators.version == 1
         # Clients rate the new model's answers as right, every time: 30 labels of a model no build labelled.
         for k in range(30):
             _, _, cid = ask(client, f"Explain part {k} of making coffee, briefly.", model=NEW)
@@ -88,12 +102,17 @@ def test_feedback_and_a_refresh_change_later_picks_and_a_rollback_undoes_it(tmp_
         assert 'routebalance_estimator_refreshes_total{result="accepted"} 1.0' in metrics
         assert 'routebalance_estimator_refreshes_total{result="unchanged"} 1.0' in metrics
         assert "routebalance_estimator_version 2.0" in metrics
+        asyncio.run(other._follow())
+        assert other.scheduler.estimators.version == 2
+        assert other.scheduler.estimators.manifest["refreshed"] == manifest["refreshed"]
 
         assert main(["refresh", "--rollback", "--config", str(stack.config_path)]) == 0  # one command
         assert '"rolled_back_from": 2' in capsys.readouterr().out
         again, versions = share(client, NEW, PROBES)
         assert versions == {"v1"} and again == pytest.approx(before, abs=0.2)
         assert read_manifest(tmp_path / "models")["version"] == 1
+        asyncio.run(other._follow())  # the rollback reaches the other worker too
+        assert other.scheduler.estimators.version == 1 and "refreshed" not in other.scheduler.estimators.manifest
         refused = httpx.post(stack.root + "/admin/rollback", headers=ADMIN, timeout=30)
         assert refused.status_code == 409 and "no earlier version" in refused.json()["error"]["message"]
     finally:

@@ -25,6 +25,7 @@ from gateway.config.store import ConfigStore
 from gateway.config.watch import watch_file
 from gateway.core.pool_state import PoolState
 from gateway.core.request import Completion, RouteRequest
+from gateway.learning.shared_completions import SharedCompletions
 from gateway.policies import registry
 from gateway.serving.body import read_body
 from gateway.serving.dispatch import Attempt, CallDispatcher, DecidedCall
@@ -37,6 +38,7 @@ from gateway.serving.progressive import PROGRESSIVE, FellBack, Progressive
 from gateway.serving.refresh import EstimatorRefresh
 from gateway.serving.shadow import ShadowAnswers
 from gateway.serving.telemetry import scrape_forever
+from gateway.serving.workers import SINGLE, Worker
 from gateway.state.link import RedisLink
 from gateway.state.sync import ReplicaSync
 from gateway.tenancy.access import Access, check_admin, json_posts_only, may_name, request_preset
@@ -73,6 +75,7 @@ def open_spend_ledger(cfg: Config) -> SpendLedger:
 _CLOSE_FLUSH_S = 2.0
 _CLOSE_LINK_S = 2.0
 _CLOSE_TASKS_S = 2.0
+GAUGES_EVERY_S = 1.0
 
 
 async def _within(what: str, timeout_s: float, *aws) -> None:
@@ -92,22 +95,21 @@ async def _within(what: str, timeout_s: float, *aws) -> None:
 
 
 class Gateway:
-    def __init__(self, store: ConfigStore, estimators=None, host: str | None = None):
+    def __init__(self, store: ConfigStore, estimators=None, host: str | None = None, worker: Worker = SINGLE):
         self.store = store
+        self.worker = worker  # its place among `serve --workers` (gateway/serving/workers.py)
         self.host = host or store.current.server.host  # where it listens: anonymous access depends on it
         self.pool_state = PoolState()
         self.metrics = GatewayMetrics()
-        self.scheduler = Scheduler(store, self.pool_state, self.metrics, estimators)
+        self.scheduler = Scheduler(store, self.pool_state, self.metrics, estimators, worker)
         self.token_counter = TokenCounter()
         self.dispatcher = CallDispatcher(self.scheduler, self.metrics, self.token_counter, lambda: self.session)
         self.progressive = Progressive(self.scheduler, self.dispatcher, self.metrics, self.token_counter)
-        if estimators is not None:
-            self.metrics.watch_embed_cache(estimators.embedder.cache_counts)
         self.access = Access(store.current)
-        self.learner = TrafficLearner(store, self.metrics)
+        self.learner = TrafficLearner(store, self.metrics, worker)
         self.feedback_handler = FeedbackHandler(self.learner, self.access, self.metrics)
-        self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics)
-        self.shadow = ShadowAnswers(store, self.learner, self.scheduler, self.metrics, lambda: self.session)
+        self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics, worker)
+        self.shadow = ShadowAnswers(store, self.learner, self.scheduler, self.metrics, lambda: self.session, worker)
         if estimators is not None:
             self.metrics.estimator_version.set(estimators.version)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
@@ -135,8 +137,15 @@ class Gateway:
                             loop.create_task(ReplicaSync(self.link, self.pool_state, self.store).run())]
         self._open_spend(cfg)
         await self.learner.open()
+        if self.link is not None and self.learner.store is not None:
+            learning = cfg.learning
+            self.learner.share(SharedCompletions(self.link, learning.completion_ttl_s, learning.max_completions,
+                                                 learning.max_completion_text_chars))
         await self.shadow.open()
-        self._tasks.append(loop.create_task(self.refresher.run_every()))
+        if self.worker.index == 0:  # one scheduled refresh per host; the other workers follow its version
+            self._tasks.append(loop.create_task(self.refresher.run_every()))
+        if self.worker.shared:
+            self._tasks += [loop.create_task(self.refresher.follow_every()), loop.create_task(self._set_gauges_every())]
         self.scheduler.start()
 
     async def close(self) -> None:
@@ -335,8 +344,11 @@ class Gateway:
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
-        """Liveness: the process answers."""
-        return _json({"status": "ok", "instances": len(self.store.current.instances)})
+        """Liveness: the process answers (with `serve --workers`, which worker: the port is theirs together)."""
+        body: dict = {"status": "ok", "instances": len(self.store.current.instances)}
+        if self.worker.shared:
+            body["worker"] = {"index": self.worker.index, "of": self.worker.count}
+        return _json(body)
 
     async def ready(self, request: web.Request) -> web.Response:
         """Readiness: 503 while no instance is routable (all cooling down after failures). A replica that
@@ -359,6 +371,12 @@ class Gateway:
         return status
 
     async def metrics_page(self, request: web.Request) -> web.Response:
+        self._set_gauges()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    def _set_gauges(self) -> None:
+        """The gauges read off the pool state and the state backend (at each scrape; with workers, also every
+        GAUGES_EVERY_S, since a scrape reaches one worker and the page counts every worker's last values)."""
         cfg, now = self.store.current, asyncio.get_running_loop().time()
         m = self.metrics
         for inst, state in self.scheduler.instance_states(cfg):
@@ -366,7 +384,11 @@ class Gateway:
             m.instance_in_flight.labels(inst.name).set(len(state.in_flight) + state.others.requests)
         m.state_up.set(self.link is None or self.link.reachable)
         m.spend_unwritten.set(self.spend.unwritten if self.spend is not None else 0)
-        return web.Response(body=m.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def _set_gauges_every(self) -> None:
+        while True:
+            await asyncio.sleep(GAUGES_EVERY_S)
+            self._set_gauges()
 
     async def feedback(self, request: web.Request) -> web.Response:
         return await self.feedback_handler.handle(request, self.store.current, self.host)

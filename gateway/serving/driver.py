@@ -28,6 +28,7 @@ from gateway.core.view import PoolView
 from gateway.policies import registry
 from gateway.serving.explore import Explorer
 from gateway.serving.metrics import GatewayMetrics
+from gateway.serving.workers import SINGLE, Worker
 
 log = logging.getLogger("routebalance.scheduler")
 
@@ -54,9 +55,11 @@ def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
 
 
 class Scheduler:
-    def __init__(self, store: ConfigStore, pool_state: PoolState, metrics: GatewayMetrics, estimators):
+    def __init__(self, store: ConfigStore, pool_state: PoolState, metrics: GatewayMetrics, estimators,
+                 worker: Worker = SINGLE):
         self.store = store
         self.metrics = metrics
+        self.worker = worker  # exploration's daily spend cap is the host's: this process takes its part
         self.estimators = estimators  # estimators.bundle.Estimators, or None if not built
         self.explorer = Explorer()  # used by the worker thread only
         self.scheduling_loop = SchedulingLoop(registry, pool_state, store.current.batching.max_queue, candidates_for,
@@ -262,6 +265,8 @@ class Scheduler:
         m = self.metrics
         m.batch_size.observe(len(batch))
         m.estimate_seconds.observe(timings.estimate_s)
+        if self.estimators is not None:
+            m.count_embed_cache(*self.estimators.embedder.cache_counts())
         m.score_seconds.observe(timings.score_s)
         now = loop.time()
         # A client may have left while its batch was scored: its request is not booked.
@@ -295,7 +300,7 @@ class Scheduler:
                         and len({cfg.instances[c].model in unlabelled for c in t.request.candidates}) == 2
                         for t in tickets]
             explored = self.explorer.apply(est, unlabelled, cfg.instances, eligible, cfg.learning.explore_share,
-                                           cfg.learning.explore_usd_per_day)
+                                           self.worker.part(cfg.learning.explore_usd_per_day))
             for t, e in zip(tickets, explored, strict=True):
                 t.estimated_by, t.explored = estimators.version, e
             timings.estimate_s = time.perf_counter() - start

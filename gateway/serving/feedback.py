@@ -76,7 +76,7 @@ class FeedbackHandler:
         self._check_rate(principal, cfg)
         raw = await read_body(request, cfg.learning.feedback_max_bytes, cfg.server.body_timeout_s)
         completion_id, score = parse_feedback(raw)
-        entry = learner.completions.get(completion_id, asyncio.get_running_loop().time())
+        entry = await learner.completion(completion_id)
         if entry is None or entry.owner != principal:
             raise ApiError(404, f"no completion {completion_id!r} to rate: the id is unknown, has expired "
                                 f"(ids are kept {cfg.learning.completion_ttl_s:g} s), or was not answered to "
@@ -123,10 +123,13 @@ class FeedbackHandler:
         writing.add_done_callback(done)
         # Shielded: a client that hangs up does not cancel the write of what it sent.
         try:
-            return _stored(await asyncio.shield(writing))
+            added = _stored(await asyncio.shield(writing))
         except LabelStoreError as e:  # the disk is full, or the store stayed locked: the client may send it again
             raise ApiError(503, f"the feedback could not be stored, send it again later: {e}", None,
                            "label_store_unavailable") from None
+        if self.learner.shared is not None:  # so a feedback reaching another process sees this one
+            await self.learner.shared.rate(entry.id, score)
+        return added
 
 
 def _stored(added: Added) -> Added:

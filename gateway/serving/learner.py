@@ -27,11 +27,13 @@ from gateway.config.sections import ApiKey, Config
 from gateway.config.store import ConfigStore
 from gateway.learning.completions import CompletionLog, LoggedCompletion, Principal
 from gateway.learning.labels import Label, prompt_hash
+from gateway.learning.shared_completions import SharedCompletions
 from gateway.learning.store import LabelStore, LabelStoreError
 from gateway.learning.writer import LabelWriter
 from gateway.serving.dispatch import Attempt, DecidedCall
 from gateway.serving.metrics import GatewayMetrics
 from gateway.serving.relay import CLIENT_CLOSED
+from gateway.serving.workers import SINGLE, Worker
 
 log = logging.getLogger("routebalance.learning")
 PRUNE_EVERY_S = 3600.0  # how often labels past their retention are deleted
@@ -41,12 +43,16 @@ class TrafficLearner:
     """The label store, its writer and the completion log of one gateway, opened at start when
     [learning] is enabled (`store` is None otherwise, and `unavailable` says why)."""
 
-    def __init__(self, config: ConfigStore, metrics: GatewayMetrics):
+    def __init__(self, config: ConfigStore, metrics: GatewayMetrics, worker: Worker = SINGLE):
         self.config = config
         self.metrics = metrics
+        self.worker = worker
         self.store: LabelStore | None = None
         self.writer: LabelWriter | None = None
         self.completions: CompletionLog | None = None
+        # With a Redis state backend: the completions of every process on it, so a feedback reaching any
+        # of them is taken (set by the gateway when it opens its link).
+        self.shared: SharedCompletions | None = None
         self.unavailable = "learning is off: [learning] enabled = false"
         self._tasks: list[asyncio.Task] = []
 
@@ -61,8 +67,7 @@ class TrafficLearner:
             self.unavailable = f"the label store could not be opened ({e}); learning is off until a restart"
             log.error("%s", self.unavailable)
             return
-        self.completions = CompletionLog(learning.max_completions, learning.completion_ttl_s,
-                                         learning.max_completion_text_chars)
+        self.completions = CompletionLog(*self._log_bounds(learning))
         self.writer = LabelWriter(self.store, learning.length_queue, self._count_length)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.writer.run()), loop.create_task(self._prune_forever())]
@@ -73,8 +78,32 @@ class TrafficLearner:
         learning = cfg.learning
         if self.store is not None and self.completions is not None:
             self.store.max_labels = learning.max_labels
-            self.completions.set_bounds(learning.max_completions, learning.completion_ttl_s,
-                                        learning.max_completion_text_chars)
+            self.completions.set_bounds(*self._log_bounds(learning))
+        if self.shared is not None:
+            self.shared.set_bounds(learning.completion_ttl_s, learning.max_completions,
+                                   learning.max_completion_text_chars)
+
+    def _log_bounds(self, learning) -> tuple[int, float, int]:
+        """This process's log's bounds: its part of the host's, when workers share the host."""
+        return (max(1, self.worker.part_of_count(learning.max_completions)), learning.completion_ttl_s,
+                self.worker.part_of_count(learning.max_completion_text_chars))
+
+    def share(self, shared: SharedCompletions) -> None:
+        """Publish the completions logged from now on to `shared`, and look up there the ids not held here."""
+        learning = self.config.current.learning
+        shared.set_bounds(learning.completion_ttl_s, learning.max_completions, learning.max_completion_text_chars)
+        self.shared = shared
+        self._tasks.append(asyncio.get_running_loop().create_task(shared.run()))
+
+    async def completion(self, completion_id: str) -> LoggedCompletion | None:
+        """The completion a feedback names. With a shared log, its entry there (a feedback another process took
+        rated it there, not here); else, or while Redis is away, this process's own."""
+        assert self.completions is not None
+        local = self.completions.get(completion_id, asyncio.get_running_loop().time())
+        shared = await self.shared.lookup(completion_id) if self.shared is not None else None
+        if shared is None or (local is not None and local.rating is not None and shared.rating is None):
+            return local  # (a rating taken here and not yet shared counts)
+        return shared
 
     async def close(self, timeout_s: float) -> None:
         """Write what is queued (within `timeout_s`), then stop and close the store."""
@@ -126,5 +155,6 @@ class TrafficLearner:
                                 key_name))
         if not left and result.completion_id is not None:
             now = asyncio.get_running_loop().time()
-            self.completions.put(LoggedCompletion(result.completion_id, Principal.of(key_name, address), model,
-                                                  digest, kept, now))
+            entry = LoggedCompletion(result.completion_id, Principal.of(key_name, address), model, digest, kept, now)
+            if self.completions.put(entry) and self.shared is not None:
+                self.shared.publish(entry)

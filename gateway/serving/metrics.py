@@ -1,12 +1,19 @@
-"""The gateway's own Prometheus metrics, in a registry of its own (no globals)."""
+"""The gateway's own Prometheus metrics, in a registry of its own (no globals).
+
+Under `serve --workers` (PROMETHEUS_MULTIPROC_DIR set by the supervisor before this process started)
+every worker writes its values to files there and the page sums the host: counters and histograms add
+up, and each gauge says how (`multiprocess_mode`): what the worker itself holds adds up ("livesum"), a
+view every worker shares through Redis is the one set last ("livemostrecent"), and the version is the
+oldest any worker still routes with ("livemin").
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300, 600)
 # 0.03 and 0.1: the design's residual targets (arrival to dispatch p50 under 30 ms, p99 under 100 ms).
@@ -16,6 +23,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        # Read here, as prometheus_client read it at import: its values live in files there when it is set.
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("routebalance_requests", "Requests answered, by route, instance and status",
                                 ("route", "instance", "status"), registry=r)
@@ -24,7 +33,8 @@ class GatewayMetrics:
         self.ttft = Histogram("routebalance_time_to_first_token_seconds",
                               "Time to the first streamed byte of the answer",
                               ("route",), buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("routebalance_in_flight_requests", "Requests being served now", registry=r)
+        self.in_flight = Gauge("routebalance_in_flight_requests", "Requests being served now", registry=r,
+                               multiprocess_mode="livesum")
         self.retries = Counter("routebalance_upstream_retries", "Requests retried on another instance",
                                ("instance",), registry=r)
         self.cost = Counter("routebalance_cost_usd", "Realised cost of served requests, USD", ("model",), registry=r)
@@ -67,14 +77,17 @@ class GatewayMetrics:
                                  "(the request went again later)", registry=r)
         # Set when the page is rendered (Gateway.metrics_page), from the pool state and the state backend.
         self.instance_routable = Gauge("routebalance_instance_routable", "1 while the instance takes requests, "
-                                       "0 while it cools down after failures", ("instance",), registry=r)
+                                       "0 while it cools down after failures", ("instance",), registry=r,
+                                       multiprocess_mode="livemostrecent")
         self.instance_in_flight = Gauge("routebalance_instance_in_flight", "Requests on the instance, this replica's "
                                         "and (with a shared state backend) the other replicas'", ("instance",),
-                                        registry=r)
+                                        registry=r, multiprocess_mode="livemostrecent")
         self.state_up = Gauge("routebalance_state_backend_up", "1 while the shared state backend (Redis) answers; "
-                              "always 1 for the in-process backends", registry=r)
+                              "always 1 for the in-process backends", registry=r,
+                              multiprocess_mode="livemin")
         self.spend_unwritten = Gauge("routebalance_spend_unwritten", "Bookings and releases not yet written to "
-                                     "the spend store (they are kept and retried)", registry=r)
+                                     "the spend store (they are kept and retried)", registry=r,
+                                     multiprocess_mode="livesum")
         # Estimator refreshes (gateway/serving/refresh.py): accepted, refused by their check, failed.
         self.refreshes = Counter("routebalance_estimator_refreshes", "Estimator refreshes, by result",
                                  ("result",), registry=r)
@@ -85,7 +98,8 @@ class GatewayMetrics:
         self.shadow_cost = Counter("routebalance_shadow_cost_usd", "What shadow answers cost, USD (the gateway's "
                                    "own spend, booked to no key)", registry=r)
         self.estimator_version = Gauge("routebalance_estimator_version", "Version of the estimators routing now "
-                                       "(1: as built; each accepted refresh or rollback sets it)", registry=r)
+                                       "(1: as built; each accepted refresh or rollback sets it)", registry=r,
+                                       multiprocess_mode="livemin")
         # Progressive mode (gateway/serving/progressive.py): how each progressive request was served, and its points.
         self.progressive = Counter("routebalance_progressive_requests", "Requests asking for progressive mode, by "
                                    "result: progressive, or the reason they went through normal routing",
@@ -99,6 +113,9 @@ class GatewayMetrics:
         self.length_labels = Counter("routebalance_length_labels", "Answer lengths offered to the label store, "
                                      "by result: stored, exists (already stored for the prompt and model), or "
                                      "dropped as full, queue_full or write_failed", ("result",), registry=r)
+        self.embed_cache = Counter("routebalance_embed_cache", "Prompt embeddings taken from the embedder's cache "
+                                   "(hit) or computed (miss)", ("result",), registry=r)
+        self._embed_seen = (0, 0)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
 
@@ -108,24 +125,17 @@ class GatewayMetrics:
         self.tokens.labels(model, "prompt").inc(prompt_tokens)
         self.tokens.labels(model, "completion").inc(completion_tokens)
 
-    def watch_embed_cache(self, counts: Callable[[], tuple[int, int]]) -> None:
-        """Export the embedder's cache (hits, misses) as routebalance_embed_cache_total{result}, read at scrape."""
-        self.registry.register(_EmbedCache(counts))
+    def count_embed_cache(self, hits: int, misses: int) -> None:
+        """The embedder's cache counters (cumulative, read after each batch) as routebalance_embed_cache_total
+        {result}: what they gained since the last call is added (a new embedder starts again from 0)."""
+        last_hits, last_misses = self._embed_seen
+        self.embed_cache.labels("hit").inc(hits - last_hits if hits >= last_hits else hits)
+        self.embed_cache.labels("miss").inc(misses - last_misses if misses >= last_misses else misses)
+        self._embed_seen = (hits, misses)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class _EmbedCache:
-    """A collector of the embedder's own cache counters (the estimators layer knows no metrics)."""
-
-    def __init__(self, counts: Callable[[], tuple[int, int]]):
-        self.counts = counts
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        hits, misses = self.counts()
-        family = CounterMetricFamily("routebalance_embed_cache", "Prompt embeddings taken from the embedder's cache "
-                                     "(hit) or computed (miss)", labels=("result",))
-        family.add_metric(("hit",), hits)
-        family.add_metric(("miss",), misses)
-        yield family
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        host = CollectorRegistry()
+        MultiProcessCollector(host, self.multiprocess_dir)
+        return generate_latest(host)

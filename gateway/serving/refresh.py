@@ -15,6 +15,8 @@ If the models directory cannot be written, the refit still serves, in memory onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import time
 from collections.abc import Iterable
@@ -30,7 +32,7 @@ from gateway.config.store import ConfigStore
 from gateway.core.budget import predicted_cost
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.crossfit import EstimatorCandidate, Pricing, model_prices
-from gateway.estimators.manifest import read_manifest, sha256_of, write_manifest
+from gateway.estimators.manifest import MANIFEST, read_manifest, sha256_of, write_manifest
 from gateway.estimators.refit import (
     Base,
     Refit,
@@ -45,6 +47,7 @@ from gateway.learning.labels import LENGTH, Label
 from gateway.serving.driver import Scheduler
 from gateway.serving.learner import TrafficLearner
 from gateway.serving.metrics import GatewayMetrics
+from gateway.serving.workers import FOLLOW_EVERY_S, SINGLE, Worker
 
 log = logging.getLogger("routebalance.refresh")
 # What `train` chose when a manifest does not say (a synthetic build): the paper's KNN.
@@ -64,12 +67,39 @@ class TrafficSet:
 
 
 class EstimatorRefresh:
-    def __init__(self, scheduler: Scheduler, learner: TrafficLearner, store: ConfigStore, metrics: GatewayMetrics):
+    def __init__(self, scheduler: Scheduler, learner: TrafficLearner, store: ConfigStore, metrics: GatewayMetrics,
+                 worker: Worker = SINGLE):
         self.scheduler = scheduler
         self.learner = learner
         self.store = store
         self.metrics = metrics
+        self.worker = worker
         self._running = asyncio.Lock()
+        self._manifest_seen: float | None = None  # the manifest's mtime when `follow` last read it
+
+    @contextlib.contextmanager
+    def _host_lock(self, current: Estimators):
+        """With `serve --workers`: one refresh or rollback at a time on the host (a lock file beside the
+        artefacts), so two workers never write the same next version."""
+        if not self.worker.shared or current.models_dir is None:
+            yield
+            return
+        try:
+            handle = open(current.models_dir / ".refresh.lock", "a")  # noqa: SIM115 (held across the yield)
+        except OSError as e:
+            log.warning("no host-wide refresh lock (%s): refreshing without it", e)
+            yield
+            return
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ApiError(409, "a refresh or rollback is running in another worker of this gateway: try "
+                                    "again when it is done", None, "refresh_running") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _ready(self) -> Estimators:
         estimators = self.scheduler.estimators
@@ -87,45 +117,90 @@ class EstimatorRefresh:
             raise ApiError(409, "a refresh or rollback is running: try again when it is done", None,
                            "refresh_running")
         async with self._running:
-            current = self._ready()  # read under the lock: a rollback that ran first is what this builds on
-            cfg = self.store.current
-            started = time.perf_counter()
-            try:
-                outcome, fresh = await asyncio.to_thread(self._refit, cfg, current, label_store.labels)
-            except Exception as e:
-                self.metrics.refreshes.labels("failed").inc()
-                log.exception("refresh (%s) failed", reason)
-                raise ApiError(503, f"the refresh failed, the running estimators stay: {e}", None,
-                               "refresh_failed") from None
-            outcome["seconds"] = round(time.perf_counter() - started, 2)
-            if fresh is None:
-                result = "unchanged" if outcome.get("unchanged") else "refused"
-                self.metrics.refreshes.labels(result).inc()
-                log.log(logging.INFO if result == "unchanged" else logging.WARNING, "refresh (%s) %s: %s", reason,
-                        result, outcome["reason"])
-                return outcome
-            self.scheduler.estimators = fresh
-            self.metrics.refreshes.labels("accepted").inc()
-            self.metrics.estimator_version.set(fresh.version)
-            log.info("refresh (%s): estimators version %d in %.1f s (traffic labels: %s)", reason, fresh.version,
-                     outcome["seconds"], ", ".join(f"{m}: {n}" for m, n in outcome["traffic"].items()))
+            with self._host_lock(self._ready()):
+                await self._follow()  # another worker's version first: what this one builds on
+                return await self._refresh(reason, label_store)
+
+    async def _refresh(self, reason: str, label_store) -> dict:
+        current = self._ready()  # read under the lock: a rollback that ran first is what this builds on
+        cfg = self.store.current
+        started = time.perf_counter()
+        try:
+            outcome, fresh = await asyncio.to_thread(self._refit, cfg, current, label_store.labels)
+        except Exception as e:
+            self.metrics.refreshes.labels("failed").inc()
+            log.exception("refresh (%s) failed", reason)
+            raise ApiError(503, f"the refresh failed, the running estimators stay: {e}", None,
+                           "refresh_failed") from None
+        outcome["seconds"] = round(time.perf_counter() - started, 2)
+        if fresh is None:
+            result = "unchanged" if outcome.get("unchanged") else "refused"
+            self.metrics.refreshes.labels(result).inc()
+            log.log(logging.INFO if result == "unchanged" else logging.WARNING, "refresh (%s) %s: %s", reason,
+                    result, outcome["reason"])
             return outcome
+        self._swap(fresh)
+        self.metrics.refreshes.labels("accepted").inc()
+        log.info("refresh (%s): estimators version %d in %.1f s (traffic labels: %s)", reason, fresh.version,
+                 outcome["seconds"], ", ".join(f"{m}: {n}" for m, n in outcome["traffic"].items()))
+        return outcome
 
     async def rollback(self) -> dict:
         """Back to the version before the running one (as recorded in the manifest)."""
         async with self._running:
-            current = self._ready()  # read under the lock: a refresh that ran first is what is rolled back
-            history = current.manifest.get("versions", [])
-            older = [v for v in history if v["version"] < current.version]
-            if not older:
-                raise ApiError(409, f"estimators version {current.version} has no earlier version to roll back to",
-                               None, "no_earlier_version")
-            target = older[-1]
-            fresh = await asyncio.to_thread(self._load_version, current, target)
-            self.scheduler.estimators = fresh
-            self.metrics.estimator_version.set(fresh.version)
-            log.info("rolled back: estimators version %d -> %d", current.version, fresh.version)
-            return {"version": fresh.version, "rolled_back_from": current.version}
+            with self._host_lock(self._ready()):
+                await self._follow()  # another worker's version first: what is rolled back
+                current = self._ready()  # read under the lock: a refresh that ran first is what is rolled back
+                history = current.manifest.get("versions", [])
+                older = [v for v in history if v["version"] < current.version]
+                if not older:
+                    raise ApiError(409, f"estimators version {current.version} has no earlier version to roll back "
+                                        "to", None, "no_earlier_version")
+                target = older[-1]
+                fresh = await asyncio.to_thread(self._load_version, current, target)
+                self._swap(fresh)
+                log.info("rolled back: estimators version %d -> %d", current.version, fresh.version)
+                return {"version": fresh.version, "rolled_back_from": current.version}
+
+    def _swap(self, fresh: Estimators) -> None:
+        self.scheduler.estimators = fresh
+        self.metrics.estimator_version.set(fresh.version)
+
+    async def follow_every(self) -> None:
+        """With `serve --workers`: take the version another worker's refresh or rollback made."""
+        while True:
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            if self._running.locked():
+                continue  # this worker is refreshing: it follows first itself
+            async with self._running:
+                try:
+                    await self._follow()
+                except (ArtefactError, OSError, ValueError, KeyError) as e:
+                    log.warning("cannot take the estimators version in the manifest: %s", e)
+
+    async def _follow(self) -> None:
+        """Swap in the version the manifest names, when another worker made it (the same build only: a
+        rebuild takes a restart, as with a single gateway)."""
+        current = self.scheduler.estimators
+        if not self.worker.shared or current is None or current.models_dir is None:
+            return
+        try:
+            seen = (current.models_dir / MANIFEST).stat().st_mtime
+        except OSError:
+            return
+        if seen == self._manifest_seen:
+            return
+        self._manifest_seen = seen
+        manifest = _read_quietly(current.models_dir)
+        if manifest is None or manifest.get("built_at") != current.manifest.get("built_at"):
+            return
+        version = int(manifest.get("version", 1))
+        target = _entry(manifest, version) or (_first_version(manifest) if version == 1 else None)
+        if version == current.version or target is None:
+            return
+        fresh = await asyncio.to_thread(self._version_from, current, manifest, target)
+        self._swap(fresh)
+        log.info("estimators version %d -> %d (made by another worker)", current.version, fresh.version)
 
     async def run_every(self) -> None:
         """Refresh on the config's schedule (refresh_interval_s, read each round; 0: wait for a change)."""
@@ -209,7 +284,20 @@ class EstimatorRefresh:
         return fresh, True
 
     def _load_version(self, current: Estimators, target: dict) -> Estimators:
+        """The earlier version `target` (a rollback), recorded in the manifest as the running one."""
         manifest = {**current.manifest, "version": target["version"]}
+        fresh = self._version_from(current, manifest, target)
+        if current.models_dir is not None:
+            try:
+                write_manifest(current.models_dir, fresh.manifest)
+            except OSError as e:
+                log.warning("rolled back in memory only: cannot write %s (%s)", current.models_dir, e)
+        return fresh
+
+    @staticmethod
+    def _version_from(current: Estimators, manifest: dict, target: dict) -> Estimators:
+        """The built estimators with `target`'s refit on top (none: the built version), under `manifest`."""
+        manifest = {**manifest, "version": target["version"]}
         fit = None
         if target.get("file"):
             if current.models_dir is None:
@@ -218,14 +306,8 @@ class EstimatorRefresh:
             manifest["refreshed"] = {"file": target["file"]}
         else:
             manifest.pop("refreshed", None)
-        fresh = current.refreshed(fit, manifest, {m: (int(n), float(s)) for m, (n, s) in
-                                                  (target.get("traffic") or {}).items()})
-        if current.models_dir is not None:
-            try:
-                write_manifest(current.models_dir, manifest)
-            except OSError as e:
-                log.warning("rolled back in memory only: cannot write %s (%s)", current.models_dir, e)
-        return fresh
+        return current.refreshed(fit, manifest, {m: (int(n), float(s)) for m, (n, s) in
+                                                 (target.get("traffic") or {}).items()})
 
 
 def candidate(spec: dict) -> EstimatorCandidate:

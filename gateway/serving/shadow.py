@@ -42,6 +42,7 @@ from gateway.serving.driver import Scheduler
 from gateway.serving.learner import TrafficLearner
 from gateway.serving.metrics import GatewayMetrics
 from gateway.serving.relay import RelayResult, note_answer, upstream_payload, usage_count
+from gateway.serving.workers import SINGLE, Worker
 
 log = logging.getLogger("routebalance.shadow")
 MAX_BODY = 4 << 20  # bytes of a shadow answer read at most
@@ -49,8 +50,9 @@ MAX_BODY = 4 << 20  # bytes of a shadow answer read at most
 
 class ShadowAnswers:
     def __init__(self, store: ConfigStore, learner: TrafficLearner, scheduler: Scheduler, metrics: GatewayMetrics,
-                 session: Callable[[], aiohttp.ClientSession | None], seed: int = 0):
+                 session: Callable[[], aiohttp.ClientSession | None], worker: Worker = SINGLE, seed: int = 0):
         self.store = store
+        self.worker = worker  # the caps are the host's: this process takes its part of each
         self.learner = learner
         self.scheduler = scheduler
         self.metrics = metrics
@@ -86,9 +88,10 @@ class ShadowAnswers:
         """After an answered request: maybe start one shadow call (never waits, never raises)."""
         learning = cfg.learning
         req, result = call.req, attempt.result
+        in_flight_cap = self.worker.part_of_count(learning.shadow_max_in_flight)
         if (self.judge is None or attempt.status != 200 or attempt.index is None or req.stream or req.n != 1
                 or result.answer_text is None or (key is not None and not key.learn)
-                or len(self._tasks) >= learning.shadow_max_in_flight or self.rng.random() >= learning.shadow_share):
+                or len(self._tasks) >= in_flight_cap or self.rng.random() >= learning.shadow_share):
             return
         served = cfg.instances[attempt.index]
         others = [i for i in self.scheduler.routable_instances(cfg)
@@ -99,7 +102,7 @@ class ShadowAnswers:
         other = others[int(self.rng.integers(len(others)))]
         price_in, price_out = token_prices(other)
         worst = float(predicted_cost(result.prompt_tokens, learning.shadow_max_tokens, price_in, price_out))
-        if self.spend.today_usd + worst > learning.shadow_usd_per_day:
+        if self.spend.today_usd + worst > self.worker.part(learning.shadow_usd_per_day):
             self.metrics.shadow.labels("spend_cap").inc()
             return
         self.spend.add(worst)  # reserved; settled when the answer's usage is known

@@ -1,0 +1,267 @@
+"""What a routed request costs the gateway, beside what its embedding alone costs, in one run.
+
+    python loadtest/routed_efficiency.py                     # both prompt sets, one gateway process
+    python loadtest/routed_efficiency.py --workers 2         # `serve --workers 2` (starts a redis-server)
+    python loadtest/routed_efficiency.py --prompts 300 --sets synthetic
+
+Per prompt set (held-out synthetic prompts; the real-label prompts of ../shared/data/real-labels/), never
+pooled, on the same prompts and the same cores:
+
+1. the full routed path: `routebalance serve` (the config's RouteBalance on the built estimators, the
+   embedding cache off so that every prompt is embedded, learning and metrics on as deployed) in front of
+   instant backends on the pool's 13 ports (loadtest/instant_backend.py, one process). Each prompt is sent
+   once (a repeat would be a cache hit, not routing), non-streamed, by a closed loop of --concurrency
+   clients in this process: routed req/s, and CPU per request summed over every gateway process (the
+   load generator and the backends are other processes and are not counted); the residual's stages from
+   the gateway's own histograms over the run;
+2. the embedder alone: this process embeds the same prompts at the gateway's batch shape (the mean batch
+   the routed run formed) with the gateway's embedder settings: CPU per prompt (this process's CPU time,
+   onnxruntime's threads included) and prompts/s.
+
+It prints both side by side with the ratios against the targets (gateway CPU per request at most 1.3x the
+embedder's CPU per prompt; routed req/s at least 75% of the embedder's prompts/s) and writes
+loadtest/results/routed_efficiency[-wN].json. Loopback only; every phase is bounded in count and time.
+The estimators must be built (`routebalance train`, or a first `routebalance up`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+from progressive_compare import held_out  # loadtest/, this script's directory
+from residual import histograms, summary
+
+from gateway.config.store import default_config_path, load_config
+from gateway.estimators.bundle import Estimators
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_LABELS = ROOT.parent / "shared" / "data" / "real-labels" / "zeroeval_crux_math_dev.jsonl"
+TARGET_CPU_RATIO, TARGET_RATE_RATIO = 1.3, 0.75
+MAX_PROMPTS = 5000
+PHASE_TIMEOUT_S = 600.0
+WARM_UP = 24  # distinct prompts sent before measuring (not in the measured set)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together while chosen, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
+    sets = {}
+    if "synthetic" in names:
+        sets["synthetic"] = list(dict.fromkeys(held_out()))
+    if "real" in names:
+        if not REAL_LABELS.exists():
+            sys.exit(f"{REAL_LABELS} is missing (../shared/data beside the repository)")
+        rows = [json.loads(line) for line in REAL_LABELS.read_text().splitlines() if line.strip()]
+        sets["real"] = list(dict.fromkeys(r["prompt"] for r in rows))
+    for name, prompts in sets.items():
+        if len(prompts) < n + WARM_UP:
+            sys.exit(f"the {name} set has {len(prompts)} distinct prompts: ask for at most {len(prompts) - WARM_UP}")
+    return {name: prompts[:n + WARM_UP] for name, prompts in sets.items()}
+
+
+def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | None) -> Path:
+    text = default_config_path().read_text()
+    urls = sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text)))
+    if len(urls) > len(backends):
+        sys.exit(f"the pool has {len(urls)} instance ports, the backend serves {len(backends)}")
+    for old, new in zip(urls, backends, strict=False):
+        text = text.replace(f'127.0.0.1:{old}"', f'127.0.0.1:{new}"')
+    text = re.sub(r"(?m)^port = 8000$", f"port = {port}", text, count=1)
+    text = text.replace('models_dir = "models"', f'models_dir = "{ROOT / "models"}"', 1)
+    text = re.sub(r"(?m)^embed_cache_entries = \d+$", "embed_cache_entries = 0", text, count=1)
+    text = text.replace('path = "data/labels.db"', f'path = "{work / "labels.db"}"', 1)
+    state = f'backend = "redis"\nurl = "{redis_url}"\nprefix = "efficiency:"' if redis_url else \
+        f'backend = "sqlite"\npath = "{work / "state.db"}"'
+    text = text.replace('backend = "sqlite"\npath = "data/state.db"', state, 1)
+    path = work / "gateway.toml"
+    path.write_text(text)
+    return path
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the process serving {url} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    sys.exit(f"{url} was not ready within {timeout_s:.0f} s")
+
+
+def gateway_cpu_s(root: psutil.Process) -> float:
+    """User + system CPU seconds of the gateway's processes (the supervisor and its workers)."""
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+async def send_all(base: str, prompts: list[str], concurrency: int) -> tuple[float, int]:
+    """Each prompt once through the gateway, closed loop; (wall seconds, errors)."""
+    queue = list(reversed(prompts))
+    errors = 0
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def client() -> None:
+            nonlocal errors
+            while queue:
+                body = {"model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": queue.pop()}]}
+                try:
+                    async with session.post(base + "/chat/completions", json=body) as r:
+                        await r.read()
+                        errors += r.status != 200
+                except (aiohttp.ClientError, TimeoutError):
+                    errors += 1
+
+        started = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(client() for _ in range(concurrency))), PHASE_TIMEOUT_S)
+        return time.perf_counter() - started, errors
+
+
+def routed(root: str, gateway: psutil.Process, prompts: list[str], concurrency: int) -> dict:
+    base = root + "/v1"
+    asyncio.run(send_all(base, prompts[:WARM_UP], min(concurrency, WARM_UP)))
+    measured = prompts[WARM_UP:]
+    before_page = httpx.get(root + "/metrics", timeout=10).text
+    cpu0 = gateway_cpu_s(gateway)
+    wall, errors = asyncio.run(send_all(base, measured, concurrency))
+    cpu = gateway_cpu_s(gateway) - cpu0
+    after_page = httpx.get(root + "/metrics", timeout=10).text
+    stages = summary(histograms(before_page), histograms(after_page))
+    batches = _batch_sizes(before_page, after_page)
+    return {"requests": len(measured), "errors": errors, "seconds": wall, "req_per_s": len(measured) / wall,
+            "cpu_ms_per_request": 1000 * cpu / len(measured), "mean_batch": batches,
+            "stages": {v["stage"]: {k: v[k] for k in ("per", "count", "mean_ms", "p50_ms", "p99_ms")}
+                       for v in stages.values()}}
+
+
+def _batch_sizes(before: str, after: str) -> float:
+    def count_sum(page: str) -> tuple[float, float]:
+        c = re.search(r"(?m)^routebalance_batch_size_count (\S+)$", page)
+        s = re.search(r"(?m)^routebalance_batch_size_sum (\S+)$", page)
+        return (float(c.group(1)) if c else 0.0), (float(s.group(1)) if s else 0.0)
+
+    (c0, s0), (c1, s1) = count_sum(before), count_sum(after)
+    return (s1 - s0) / max(c1 - c0, 1.0)
+
+
+def embedder_alone(embedder, prompts: list[str], batch: int) -> dict:
+    embedder.embed(prompts[:WARM_UP])
+    measured = prompts[WARM_UP:]
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for i in range(0, len(measured), batch):
+        embedder.embed(measured[i:i + batch])
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    return {"prompts": len(measured), "batch": batch, "seconds": wall, "prompts_per_s": len(measured) / wall,
+            "cpu_ms_per_prompt": 1000 * cpu / len(measured)}
+
+
+def report(name: str, row: dict) -> str:
+    r, e = row["routed"], row["embedder"]
+    lines = [f"\n== {name} prompts ({r['requests']} distinct, each sent once; mean batch {r['mean_batch']:.1f})",
+             f"{'':28}{'CPU ms/request':>16}{'req/s':>10}",
+             f"{'embedder alone':28}{e['cpu_ms_per_prompt']:>16.1f}{e['prompts_per_s']:>10.1f}",
+             f"{'routed through the gateway':28}{r['cpu_ms_per_request']:>16.1f}{r['req_per_s']:>10.1f}"
+             + (f"   ({r['errors']} errors)" if r["errors"] else ""),
+             f"ratios: CPU {row['cpu_ratio']:.2f}x the embedder's (target <= {TARGET_CPU_RATIO}), "
+             f"req/s {row['rate_ratio']:.0%} of the embedder's (target >= {TARGET_RATE_RATIO:.0%})",
+             "residual stages (ms):  " + "; ".join(f"{s} mean {v['mean_ms']:.1f} p50 {v['p50_ms']:g} p99 "
+                                                   f"{v['p99_ms']:g}" for s, v in r["stages"].items())]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=500, help="distinct prompts per set (default 500)")
+    parser.add_argument("--sets", default="synthetic,real", help="comma-separated: synthetic, real")
+    parser.add_argument("--workers", type=int, default=1, help="gateway processes (serve --workers)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    if not 1 <= args.prompts <= MAX_PROMPTS:
+        sys.exit(f"--prompts must be in [1, {MAX_PROMPTS}]")
+    sets = prompt_sets([s.strip() for s in args.sets.split(",")], args.prompts)
+    work = Path(tempfile.mkdtemp(prefix="routed-efficiency-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        *backends, redis_port, port = free_ports(15)
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "loadtest" / "instant_backend.py"), "--ports",
+                                       ",".join(map(str, backends))]))
+        redis_url = None
+        if args.workers > 1:
+            binary = shutil.which("redis-server") or sys.exit("--workers > 1 needs redis-server: "
+                                                              "apt-get install -y redis-server")
+            procs.append(subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL))
+            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        config = gateway_config(work, port, backends, redis_url)
+        wait_ready(f"http://127.0.0.1:{backends[0]}/health", procs[0])
+        if redis_url:
+            time.sleep(0.5)
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+                                    "--config", str(config), "--workers", str(args.workers)], cwd=ROOT)
+        procs.append(gateway)
+        root = f"http://127.0.0.1:{port}"
+        wait_ready(root + "/health/ready", gateway)
+        time.sleep(2.0)  # every worker up (each loads the estimators)
+        cfg = load_config(config)
+        embedder = Estimators.load(cfg).embedder
+        results = {}
+        for name, prompts in sets.items():
+            r = routed(root, psutil.Process(gateway.pid), prompts, args.concurrency)
+            e = embedder_alone(embedder, prompts, max(1, round(r["mean_batch"])))
+            results[name] = {"routed": r, "embedder": e,
+                             "cpu_ratio": r["cpu_ms_per_request"] / e["cpu_ms_per_prompt"],
+                             "rate_ratio": r["req_per_s"] / e["prompts_per_s"]}
+            print(report(name, results[name]), flush=True)
+        suffix = "" if args.workers == 1 else f"-w{args.workers}"
+        out = ROOT / "loadtest" / "results" / f"routed_efficiency{suffix}.json"
+        out.write_text(json.dumps({"workers": args.workers, "cores": os.cpu_count(), "concurrency": args.concurrency,
+                                   "threads": cfg.estimators.threads, "targets": {
+                                       "cpu_ratio_at_most": TARGET_CPU_RATIO, "rate_ratio_at_least": TARGET_RATE_RATIO},
+                                   "sets": results}, indent=2) + "\n")
+        print(f"\nwrote {out.relative_to(ROOT)}")
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in reversed(procs):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
