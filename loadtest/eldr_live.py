@@ -4,8 +4,8 @@
                                  [--models-dir DIR]
 
 Starts `routebalance up` on the MoE example pool (the emulator serves its
-instances' MoE engines, routing each known prompt's tokens to its kind's
-experts), replays the same held-out prompts at the same Poisson arrival
+instances' MoE engines, routing each known prompt's tokens to the experts
+of its kind and of its kind's hidden subdomain), replays the same held-out prompts at the same Poisson arrival
 times twice, once with `X-Route-Policy: eldr` and once with
 `passthrough+round_robin` (every request streamed), and prints each run's
 decode TPOT (first token to last, over the tokens after the first), E2E and

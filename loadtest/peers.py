@@ -99,6 +99,16 @@ def start(name: str, cmd: list[str], port: int, logs: Path, ready_path: str, tim
     sys.exit(f"{name} did not come up in {timeout_s:.0f} s; see {logs / (name + '.log')}")
 
 
+def every_worker(port: int, workers: int, timeout_s: float = 60.0) -> None:
+    """Until each of a gateway's workers has answered on its port (new connections reach one the kernel picks)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while workers > 1 and len(seen) < workers:
+        if time.monotonic() > deadline:
+            sys.exit(f"only workers {sorted(seen)} of {workers} answered on port {port}")
+        seen.add(httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).json()["worker"]["index"])
+
+
 def auth(target: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {LITELLM_KEY}"} if target == "litellm" else {}
 
@@ -135,10 +145,11 @@ def run_wrk(wrk: str, url: str, script: Path, seconds: int, concurrency: int) ->
     return rps, pct("50"), pct("99"), int(errors.group(1)) if errors else 0
 
 
-def gateway_config(path: Path, port: int, backend: int) -> Path:
+def gateway_config(path: Path, port: int, backend: int, redis_url: str | None = None) -> Path:
+    state = f'\n[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "peers:"\n' if redis_url else ""
     path.write_text(f"""[server]
 port = {port}
-
+{state}
 [scheduler]
 policy = "passthrough+round_robin"
 
@@ -175,6 +186,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=10, help="per router, mode and round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
+    parser.add_argument("--gateway-workers", default="1",
+                        help="this gateway's process counts to measure, comma-separated (e.g. 1,2: `serve --workers "
+                             "2` beside one process; more than 1 starts a redis-server for their shared state)")
     parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "peers.json")
     args = parser.parse_args()
     if not (1 <= args.rounds <= 20 and 1 <= args.seconds <= 120):
@@ -183,8 +197,10 @@ def main() -> None:
     venv = peers_venv()
     logs = Path(tempfile.mkdtemp(prefix="peers-"))
     procs: list[subprocess.Popen] = []
-    ports = {name: free_port() for name in ("backend", "vllm-router", "routebalance", "litellm")}
-    targets = {"direct": ports["backend"], "vllm-router": ports["vllm-router"], "routebalance": ports["routebalance"]}
+    counts = [int(w) for w in args.gateway_workers.split(",")]
+    gateways = {("routebalance" if w == 1 else f"routebalance-w{w}"): w for w in counts}
+    ports = {name: free_port() for name in ("backend", "vllm-router", "litellm", "redis", *gateways)}
+    targets = {"direct": ports["backend"], "vllm-router": ports["vllm-router"], **{g: ports[g] for g in gateways}}
     if not args.no_litellm:
         targets["litellm"] = ports["litellm"]
     try:
@@ -194,9 +210,19 @@ def main() -> None:
                                            str(ports["vllm-router"]), "--worker-urls",
                                            f"http://127.0.0.1:{ports['backend']}", "--policy", "round_robin",
                                            "--log-level", "error"], ports["vllm-router"], logs, "/health"))
-        config = gateway_config(logs / "gateway.toml", ports["routebalance"], ports["backend"])
-        procs.append(start("routebalance", [str(Path(sys.executable).parent / "routebalance"), "serve", "--config",
-                                            str(config)], ports["routebalance"], logs, "/health"))
+        redis_url = None
+        if max(counts) > 1:
+            redis = shutil.which("redis-server") or sys.exit("--gateway-workers > 1 needs redis-server: "
+                                                             "apt-get install -y redis-server")
+            procs.append(subprocess.Popen([redis, "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no", "--dir", str(logs)], stdout=subprocess.DEVNULL))
+            redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
+        for name, workers in gateways.items():
+            config = gateway_config(logs / f"{name}.toml", ports[name], ports["backend"],
+                                    redis_url if workers > 1 else None)
+            procs.append(start(name, [str(Path(sys.executable).parent / "routebalance"), "serve", "--config",
+                                      str(config), "--workers", str(workers)], ports[name], logs, "/health"))
+            every_worker(ports[name], workers)
         if not args.no_litellm:
             procs.append(start("litellm", [str(venv / "bin" / "litellm"), "--config",
                                            str(litellm_config(logs / "litellm.yaml", ports["backend"])), "--host",

@@ -2,6 +2,8 @@
 
     python loadtest/routed_efficiency.py                     # both prompt sets, one gateway process
     python loadtest/routed_efficiency.py --workers 2         # `serve --workers 2` (starts a redis-server)
+    python loadtest/routed_efficiency.py --workers 1,2,4,8,16 --sets synthetic   # the scaling, on a big machine
+    python loadtest/routed_efficiency.py --rate 30           # Poisson arrivals at 30 req/s instead of saturation
     python loadtest/routed_efficiency.py --prompts 300 --sets synthetic
 
 Per prompt set (held-out synthetic prompts; the real-label prompts of ../shared/data/real-labels/), never
@@ -20,7 +22,9 @@ pooled, on the same prompts and the same cores:
 
 It prints both side by side with the ratios against the targets (gateway CPU per request at most 1.3x the
 embedder's CPU per prompt; routed req/s at least 75% of the embedder's prompts/s) and writes
-loadtest/results/routed_efficiency[-wN].json. Loopback only; every phase is bounded in count and time.
+loadtest/results/routed_efficiency[-wN...].json; with several worker counts, a table of the scaling too.
+`--profile` samples the gateway's processes with py-spy during each routed run and prints its busiest
+frames. Loopback only; every phase is bounded in count and time.
 The estimators must be built (`routebalance train`, or a first `routebalance up`).
 """
 
@@ -32,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +46,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import numpy as np
 import psutil
 from progressive_compare import held_out  # loadtest/, this script's directory
 from residual import histograms, summary
@@ -128,36 +134,61 @@ def gateway_cpu_s(root: psutil.Process) -> float:
     return total
 
 
-async def send_all(base: str, prompts: list[str], concurrency: int) -> tuple[float, int]:
-    """Each prompt once through the gateway, closed loop; (wall seconds, errors)."""
+async def send_all(base: str, prompts: list[str], concurrency: int, rate: float | None = None) -> tuple[float, int]:
+    """Each prompt once through the gateway: closed loop at `concurrency`, or (with `rate`) Poisson arrivals at
+    that many per second; (wall seconds, errors)."""
     queue = list(reversed(prompts))
     errors = 0
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        async def client() -> None:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(prompt: str) -> None:
             nonlocal errors
+            body = {"model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]}
+            try:
+                async with session.post(base + "/chat/completions", json=body) as r:
+                    await r.read()
+                    errors += r.status != 200
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+
+        async def client() -> None:
             while queue:
-                body = {"model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": queue.pop()}]}
-                try:
-                    async with session.post(base + "/chat/completions", json=body) as r:
-                        await r.read()
-                        errors += r.status != 200
-                except (aiohttp.ClientError, TimeoutError):
-                    errors += 1
+                await one(queue.pop())
+
+        async def paced() -> None:
+            gaps = np.random.default_rng(0).exponential(1 / rate, len(queue))
+            start, tasks = time.perf_counter(), []
+            for at in np.cumsum(gaps):
+                await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(queue.pop())))
+            await asyncio.gather(*tasks)
 
         started = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(client() for _ in range(concurrency))), PHASE_TIMEOUT_S)
+        work = paced() if rate else asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.wait_for(work, PHASE_TIMEOUT_S)
         return time.perf_counter() - started, errors
 
 
-def routed(root: str, gateway: psutil.Process, prompts: list[str], concurrency: int) -> dict:
+def routed(root: str, gateway: psutil.Process, prompts: list[str], concurrency: int,
+           profile: Path | None = None, rate: float | None = None) -> dict:
     base = root + "/v1"
     asyncio.run(send_all(base, prompts[:WARM_UP], min(concurrency, WARM_UP)))
     measured = prompts[WARM_UP:]
     before_page = httpx.get(root + "/metrics", timeout=10).text
+    spy = None
+    if profile is not None:  # py-spy samples every gateway process while the load runs
+        binary = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        spy = subprocess.Popen([binary or sys.exit("--profile needs py-spy: pip install py-spy"),
+                                "record", "--pid", str(gateway.pid), "--subprocesses", "--format", "raw",
+                                "--rate", "200", "--output", str(profile)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
     cpu0 = gateway_cpu_s(gateway)
-    wall, errors = asyncio.run(send_all(base, measured, concurrency))
+    wall, errors = asyncio.run(send_all(base, measured, concurrency, rate))
     cpu = gateway_cpu_s(gateway) - cpu0
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(60)
     after_page = httpx.get(root + "/metrics", timeout=10).text
     stages = summary(histograms(before_page), histograms(after_page))
     batches = _batch_sizes(before_page, after_page)
@@ -188,70 +219,99 @@ def embedder_alone(embedder, prompts: list[str], batch: int) -> dict:
             "cpu_ms_per_prompt": 1000 * cpu / len(measured)}
 
 
-def report(name: str, row: dict) -> str:
+def profile_summary(path: Path, top: int = 25) -> str:
+    """The frames that hold the most samples of running (not idle) code, from py-spy's collapsed stacks:
+    self samples (the frame on top) and total samples (the frame anywhere on the stack), as shares."""
+    own: dict[str, int] = {}
+    anywhere: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        if not frames or not count.isdigit() or _idle(frames[-1]):
+            continue
+        n = int(count)
+        samples += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            anywhere[frame] = anywhere.get(frame, 0) + n
+    lines = [f"{samples} busy samples; the busiest frames (self %, total %):"]
+    for frame, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {100 * n / samples:5.1f} {100 * anywhere[frame] / samples:5.1f}  {frame[:150]}")
+    return "\n".join(lines)
+
+
+def _idle(frame: str) -> bool:
+    """A thread waiting (on the event loop's poll, a lock or a queue), not working."""
+    return any(word in frame for word in ("(select", "poll (", "wait (", "_worker (concurrent", "acquire", "sleep"))
+
+
+def report(name: str, row: dict, rate: float | None = None) -> str:
     r, e = row["routed"], row["embedder"]
-    lines = [f"\n== {name} prompts ({r['requests']} distinct, each sent once; mean batch {r['mean_batch']:.1f})",
+    rates = (f"req/s {row['rate_ratio']:.0%} of the embedder's (target >= {TARGET_RATE_RATIO:.0%})" if rate is None
+             else f"arrivals paced at {rate:g} req/s: the req/s target applies to the closed loop")
+    lines = [f"\n== {name} ({r['requests']} distinct, each sent once; mean batch {r['mean_batch']:.1f})",
              f"{'':28}{'CPU ms/request':>16}{'req/s':>10}",
              f"{'embedder alone':28}{e['cpu_ms_per_prompt']:>16.1f}{e['prompts_per_s']:>10.1f}",
              f"{'routed through the gateway':28}{r['cpu_ms_per_request']:>16.1f}{r['req_per_s']:>10.1f}"
              + (f"   ({r['errors']} errors)" if r["errors"] else ""),
-             f"ratios: CPU {row['cpu_ratio']:.2f}x the embedder's (target <= {TARGET_CPU_RATIO}), "
-             f"req/s {row['rate_ratio']:.0%} of the embedder's (target >= {TARGET_RATE_RATIO:.0%})",
+             f"ratios: CPU {row['cpu_ratio']:.2f}x the embedder's (target <= {TARGET_CPU_RATIO}); {rates}",
              "residual stages (ms):  " + "; ".join(f"{s} mean {v['mean_ms']:.1f} p50 {v['p50_ms']:g} p99 "
                                                    f"{v['p99_ms']:g}" for s, v in r["stages"].items())]
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=500, help="distinct prompts per set (default 500)")
-    parser.add_argument("--sets", default="synthetic,real", help="comma-separated: synthetic, real")
-    parser.add_argument("--workers", type=int, default=1, help="gateway processes (serve --workers)")
-    parser.add_argument("--concurrency", type=int, default=32)
-    args = parser.parse_args()
-    if not 1 <= args.prompts <= MAX_PROMPTS:
-        sys.exit(f"--prompts must be in [1, {MAX_PROMPTS}]")
-    sets = prompt_sets([s.strip() for s in args.sets.split(",")], args.prompts)
-    work = Path(tempfile.mkdtemp(prefix="routed-efficiency-"))
+def wait_workers(root: str, workers: int, timeout_s: float = 180.0) -> None:
+    """Until every worker answers on the port (each new connection reaches one the kernel picks)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while workers > 1 and len(seen) < workers:
+        if time.monotonic() > deadline:
+            sys.exit(f"only workers {sorted(seen)} of {workers} answered within {timeout_s:.0f} s")
+        try:
+            seen.add(httpx.get(root + "/health", timeout=1).json()["worker"]["index"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            time.sleep(0.2)
+
+
+def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, backends: list[int],
+                ports: list[int]) -> dict:
+    """One gateway of `workers` processes (and its redis-server when more than one): every set through it."""
     procs: list[subprocess.Popen] = []
+    redis_port, port = ports
     try:
-        *backends, redis_port, port = free_ports(15)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "loadtest" / "instant_backend.py"), "--ports",
-                                       ",".join(map(str, backends))]))
         redis_url = None
-        if args.workers > 1:
+        if workers > 1:
             binary = shutil.which("redis-server") or sys.exit("--workers > 1 needs redis-server: "
                                                               "apt-get install -y redis-server")
             procs.append(subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                            "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL))
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        config = gateway_config(work, port, backends, redis_url)
-        wait_ready(f"http://127.0.0.1:{backends[0]}/health", procs[0])
-        if redis_url:
             time.sleep(0.5)
+        config = gateway_config(work, port, backends, redis_url)
         gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
-                                    "--config", str(config), "--workers", str(args.workers)], cwd=ROOT)
+                                    "--config", str(config), "--workers", str(workers)], cwd=ROOT)
         procs.append(gateway)
         root = f"http://127.0.0.1:{port}"
         wait_ready(root + "/health/ready", gateway)
-        time.sleep(2.0)  # every worker up (each loads the estimators)
+        wait_workers(root, workers)
         cfg = load_config(config)
         embedder = Estimators.load(cfg).embedder
         results = {}
         for name, prompts in sets.items():
-            r = routed(root, psutil.Process(gateway.pid), prompts, args.concurrency)
+            spy_file = work / f"profile-{name}.txt" if args.profile else None
+            r = routed(root, psutil.Process(gateway.pid), prompts, args.concurrency, spy_file, args.rate)
             e = embedder_alone(embedder, prompts, max(1, round(r["mean_batch"])))
             results[name] = {"routed": r, "embedder": e,
                              "cpu_ratio": r["cpu_ms_per_request"] / e["cpu_ms_per_prompt"],
                              "rate_ratio": r["req_per_s"] / e["prompts_per_s"]}
-            print(report(name, results[name]), flush=True)
-        suffix = "" if args.workers == 1 else f"-w{args.workers}"
-        out = ROOT / "loadtest" / "results" / f"routed_efficiency{suffix}.json"
-        out.write_text(json.dumps({"workers": args.workers, "cores": os.cpu_count(), "concurrency": args.concurrency,
-                                   "threads": cfg.estimators.threads, "targets": {
-                                       "cpu_ratio_at_most": TARGET_CPU_RATIO, "rate_ratio_at_least": TARGET_RATE_RATIO},
-                                   "sets": results}, indent=2) + "\n")
-        print(f"\nwrote {out.relative_to(ROOT)}")
+            print(report(f"{name} prompts, {workers} worker{'s' * (workers > 1)}", results[name], args.rate),
+                  flush=True)
+            if spy_file is not None and spy_file.exists():
+                kept = ROOT / "loadtest" / "results" / f"profile-routed-{name}-w{workers}.txt"
+                shutil.copy(spy_file, kept)
+                print(profile_summary(kept), flush=True)
+        return {"threads": cfg.estimators.threads, "sets": results}
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -260,6 +320,75 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def scaling_table(runs: dict[int, dict]) -> str:
+    names = list(next(iter(runs.values()))["sets"])
+    lines = ["\n== scaling: routed req/s (CPU ms per request) by worker processes"]
+    lines.append(f"{'workers':>8}" + "".join(f"{n:>26}" for n in names))
+    for workers, run in runs.items():
+        cells = [f"{run['sets'][n]['routed']['req_per_s']:.1f} ({run['sets'][n]['routed']['cpu_ms_per_request']:.1f})"
+                 for n in names]
+        lines.append(f"{workers:>8}" + "".join(f"{c:>26}" for c in cells))
+    return "\n".join(lines)
+
+
+def flat_rows(runs: dict[int, dict]) -> list[dict]:
+    """One row per worker count and prompt set (the docs' table)."""
+    return [{"workers": w, "set": name, "embed_cpu_ms": row["embedder"]["cpu_ms_per_prompt"],
+             "embed_per_s": row["embedder"]["prompts_per_s"], "routed_cpu_ms": row["routed"]["cpu_ms_per_request"],
+             "routed_per_s": row["routed"]["req_per_s"], "cpu_ratio": row["cpu_ratio"],
+             "rate_ratio": row["rate_ratio"], "mean_batch": row["routed"]["mean_batch"],
+             "errors": row["routed"]["errors"]}
+            for w, run in runs.items() for name, row in run["sets"].items()]
+
+
+def flat_stages(runs: dict[int, dict]) -> list[dict]:
+    return [{"workers": w, "set": name, "stage": stage, **values}
+            for w, run in runs.items() for name, row in run["sets"].items()
+            for stage, values in row["routed"]["stages"].items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=500, help="distinct prompts per set (default 500)")
+    parser.add_argument("--sets", default="synthetic,real", help="comma-separated: synthetic, real")
+    parser.add_argument("--workers", default="1", help="gateway processes (serve --workers); a comma-separated "
+                                                       "list (1,2,4,8,16) measures the scaling, one gateway each")
+    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (saturation)")
+    parser.add_argument("--rate", type=float, help="Poisson arrivals at this many req/s instead of the closed loop "
+                                                   "(CPU per request at a given load; req/s is then the offered rate)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample the gateway with py-spy during each routed run and print where its CPU goes")
+    args = parser.parse_args()
+    if not 1 <= args.prompts <= MAX_PROMPTS:
+        sys.exit(f"--prompts must be in [1, {MAX_PROMPTS}]")
+    counts = [int(w) for w in args.workers.split(",")]
+    sets = prompt_sets([s.strip() for s in args.sets.split(",")], args.prompts)
+    work = Path(tempfile.mkdtemp(prefix="routed-efficiency-"))
+    backend = None
+    try:
+        *backends, redis_port, port = free_ports(15)
+        backend = subprocess.Popen([sys.executable, str(ROOT / "loadtest" / "instant_backend.py"), "--ports",
+                                    ",".join(map(str, backends))])
+        wait_ready(f"http://127.0.0.1:{backends[0]}/health", backend)
+        runs = {w: run_gateway(w, sets, args, work, backends, [redis_port, port]) for w in counts}
+        if len(counts) > 1:
+            print(scaling_table(runs))
+        suffix = "" if counts == [1] else "-w" + "-".join(map(str, counts))
+        suffix += f"-r{args.rate:g}" if args.rate else ""
+        out = ROOT / "loadtest" / "results" / f"routed_efficiency{suffix}.json"
+        out.write_text(json.dumps({"cores": os.cpu_count(), "concurrency": None if args.rate else args.concurrency,
+                                   "rate": args.rate, "prompts": args.prompts,
+                                   "targets": {"cpu_ratio_at_most": TARGET_CPU_RATIO,
+                                               "rate_ratio_at_least": TARGET_RATE_RATIO},
+                                   "rows": flat_rows(runs), "stages": flat_stages(runs),
+                                   "runs": {str(w): run for w, run in runs.items()}}, indent=2) + "\n")
+        print(f"\nwrote {out.relative_to(ROOT)}")
+    finally:
+        if backend is not None:
+            backend.terminate()
+            backend.wait(30)
         shutil.rmtree(work, ignore_errors=True)
 
 

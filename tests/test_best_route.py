@@ -1,4 +1,5 @@
-"""BEST-Route: its own shortfall classifier, the threshold rule, the scoring cost, and its config table."""
+"""BEST-Route: its scorer (P(an option matches the reference)), the cheapest option that clears the bar, the
+scoring cost, and its config table."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from gateway.estimators.knn import KnnEstimator
 from gateway.lab.training.build import label_arrays
 from gateway.lab.workload.synthetic import generate
 from gateway.policies import registry
-from gateway.policies.pipeline.best_route import ShortfallClassifier
+from gateway.policies.pipeline.best_route import MatchScorer, expected_cost
 from gateway.policies.pipeline.routers import model_prices
 from gateway.records import split
 
-# Two kinds of prompt, around basis vectors 0 and 1. How often each cheaper model falls short of big:
+# Two kinds of prompt, around basis vectors 0 and 1. How often each cheaper model falls short of big (scores
+# below it; otherwise it matches):
 SHORTFALL = {"A": {"small": 0.9, "mid": 0.6}, "B": {"small": 0.2, "mid": 0.3}}
 
 
@@ -55,41 +57,65 @@ def log_loss(p: np.ndarray, y: np.ndarray) -> float:
     return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
 
 
-def test_the_classifier_learns_which_prompts_a_cheaper_model_falls_short_on(noisy_knn):
-    train_x = noisy_knn.index.reconstruct_n(0, noisy_knn.index.ntotal)
-    clf = ShortfallClassifier.fit(train_x, noisy_knn.quality, LABELLED, model_prices(pool()))
-    assert clf.models == ("small", "mid") and clf.reference == "big"  # cheapest first; the priciest is the reference
+def fit(knn: KnnEstimator, inst=None, length=None, input_tokens=None, **kw) -> MatchScorer:
+    """The scorer trained on a KNN's training set, as the policy trains it (lengths and prompts: the KNN's own)."""
+    x = knn.index.reconstruct_n(0, knn.index.ntotal)
+    return MatchScorer.fit(x, knn.quality, knn.length if length is None else length,
+                           knn.input_tokens if input_tokens is None else input_tokens, LABELLED,
+                           model_prices(inst or pool()), **kw)
+
+
+def test_the_scorer_learns_on_which_prompts_an_option_matches_the_reference(noisy_knn):
+    sc = fit(noisy_knn)
+    assert sc.models == ("small", "mid") and sc.reference == "big"  # the priciest answer is the reference
     x, q = sample(200, seed=2)  # held out
-    y = (q[:, :2] < q[:, [2]]).astype(float)
-    p = clf.predict(x)
+    y = (q[:, :2] >= q[:, [2]]).astype(float)
+    p = sc.predict(x)
     assert p.shape == (400, 2) and ((p > 0) & (p < 1)).all()
-    base = (noisy_knn.quality[:, :2] < noisy_knn.quality[:, [2]]).mean(axis=0)  # the best constant predictor
+    base = (noisy_knn.quality[:, :2] >= noisy_knn.quality[:, [2]]).mean(axis=0)  # the best constant predictor
     gain = [log_loss(np.full(400, base[k]), y[:, k]) - log_loss(p[:, k], y[:, k]) for k in range(2)]
     assert gain[0] > 0.1 and gain[1] > 0.01  # mid's two rates are closer together: less to learn
-    a, b = p[:200].mean(axis=0), p[200:].mean(axis=0)
-    assert a[0] == pytest.approx(0.9, abs=0.1) and b[0] == pytest.approx(0.2, abs=0.1)
-    assert a[1] == pytest.approx(0.6, abs=0.1) and b[1] == pytest.approx(0.3, abs=0.1)
+    a, b = p[:200].mean(axis=0), p[200:].mean(axis=0)  # P(match) = 1 - the kind's shortfall rate
+    assert a[0] == pytest.approx(0.1, abs=0.1) and b[0] == pytest.approx(0.8, abs=0.1)
+    assert a[1] == pytest.approx(0.4, abs=0.1) and b[1] == pytest.approx(0.7, abs=0.1)
+
+
+def test_a_tie_with_the_reference_counts_as_a_match():
+    rng = np.random.default_rng(8)
+    emb = np.vstack([prompts("A", 100, rng)[0], prompts("B", 100, rng)[0]])
+    q = np.tile([0.0, 0.0, 1.0], (200, 1))  # 0/1 labels: big always right, mid never
+    q[:100, 0] = 1.0  # on kind A small ties big (both right); on kind B it is wrong
+    sc = fit(KnnEstimator.build(emb, q, np.full(q.shape, 100.0), LABELLED))
+    p = sc.predict(emb)
+    assert p[:100, 0].mean() > 0.8 and p[100:, 0].mean() < 0.2  # "at least as good": the tie matches
+    assert p[:, 1].max() < 0.05  # mid never matches
 
 
 def test_training_is_deterministic_for_a_seed(noisy_knn):
-    x = noisy_knn.index.reconstruct_n(0, noisy_knn.index.ntotal)
-    one, two = (ShortfallClassifier.fit(x, noisy_knn.quality, LABELLED, model_prices(pool()), seed=4)
-                for _ in range(2))
+    one, two = (fit(noisy_knn, seed=4) for _ in range(2))
     assert one.l2 == two.l2 and np.array_equal(one.weights, two.weights)
 
 
-def test_the_margin_relaxes_what_counts_as_falling_short(noisy_knn):
+def test_the_margin_widens_what_counts_as_a_match(noisy_knn):
+    strict, relaxed = fit(noisy_knn, margin=0.0), fit(noisy_knn, margin=0.15)
     x = noisy_knn.index.reconstruct_n(0, noisy_knn.index.ntotal)
-    strict = ShortfallClassifier.fit(x, noisy_knn.quality, LABELLED, model_prices(pool()), margin=0.0)
-    relaxed = ShortfallClassifier.fit(x, noisy_knn.quality, LABELLED, model_prices(pool()), margin=0.15)
-    assert (relaxed.predict(x).mean(axis=0) < strict.predict(x).mean(axis=0) - 0.1).all()
+    assert (relaxed.predict(x).mean(axis=0) > strict.predict(x).mean(axis=0) + 0.1).all()
 
 
-def test_the_reference_is_the_model_with_the_highest_output_price(noisy_knn):
+def test_the_reference_is_the_model_whose_answer_is_expected_to_cost_most(noisy_knn):
     inst = tuple(dataclasses.replace(i, price_output_per_mtok=9.0) if i.model == "mid" else i for i in pool())
-    x = noisy_knn.index.reconstruct_n(0, noisy_knn.index.ntotal)
-    clf = ShortfallClassifier.fit(x, noisy_knn.quality, LABELLED, model_prices(inst))
-    assert clf.reference == "mid" and clf.models == ("small", "big")
+    assert fit(noisy_knn, inst).reference == "mid"
+    # By price alone big is the priciest (4.0 against 1.0 per 1M output tokens), but mid's answers are 8x longer.
+    length = np.tile([100.0, 800.0, 100.0], (noisy_knn.index.ntotal, 1))
+    sc = fit(noisy_knn, length=length)
+    assert sc.reference == "mid" and sc.models == ("small", "big")
+    assert sc.answer_tokens == {"small": 100.0, "mid": 800.0, "big": 100.0}
+
+
+def test_the_expected_cost_pays_the_prompt_once_and_each_answer():
+    price = (1e-6, 4e-6)  # USD per input, output token
+    assert expected_cost(price, 100, 50) == pytest.approx(100e-6 + 200e-6)
+    assert expected_cost(price, 100, 50, n=3) == pytest.approx(100e-6 + 600e-6)
 
 
 def route(policy, inst, emb, cands=None) -> list[str]:
@@ -114,6 +140,27 @@ def test_the_cheapest_model_within_the_threshold_else_the_reference(noisy_knn, t
     assert picked[:10].count(a) >= 9 and picked[10:].count(b) >= 9
 
 
+def test_options_are_tried_by_expected_cost_not_by_price(noisy_knn):
+    # small's answers are 10x longer than mid's: 1000 x 0.2 costs more than 100 x 1.0 per 1M output tokens.
+    emb = noisy_knn.index.reconstruct_n(0, noisy_knn.index.ntotal)
+    length = np.tile([1000.0, 100.0, 100.0], (len(emb), 1))
+    knn = KnnEstimator.build(emb, noisy_knn.quality, length, LABELLED)
+    inst = pool()
+    anything = make_pipeline("best_route+round_robin", inst, knn, best_route={"threshold": 1.0})
+    assert set(route(anything, inst, sample(10, seed=9)[0])) == {"mid"}  # the bar is 0: the cheapest option
+
+
+def test_a_long_prompt_reorders_the_options_by_their_input_price(noisy_knn):
+    # small: 3.0 per 1M input tokens, 0.2 output; mid: 0.5 and 1.0. 100-token answers everywhere.
+    inst = tuple(dataclasses.replace(i, price_input_per_mtok=3.0) if i.model == "small" else i for i in pool())
+    policy = make_pipeline("best_route+round_robin", inst, noisy_knn, best_route={"threshold": 1.0})
+    emb = sample(1, seed=10)[0]
+    est = Estimates(np.zeros((2, len(inst))), np.full((2, len(inst)), 100.0), emb)
+    short, long = (request(range(len(inst)), input_tokens=t) for t in (10, 1000))
+    picked = [inst[d.ranked[0]].model for d in policy.assign([short, long], est, view_of(inst))]
+    assert picked == ["small", "mid"]  # 30 + 20 against 5 + 100; then 3000 + 20 against 500 + 100
+
+
 def test_a_higher_threshold_never_picks_a_pricier_model(noisy_knn):
     inst = pool()
     emb = sample(50, seed=5)[0]
@@ -133,17 +180,17 @@ def test_only_the_requests_own_models_and_never_an_unlabelled_one(noisy_knn):
     emb = prompts("A", 3, np.random.default_rng(6))[0]
     small_or_mid = indices(inst, "small") + indices(inst, "mid")
     tiny = indices(inst, "tiny")
-    # No reference among the candidates: the one least likely to fall short (in A, mid).
+    # No reference among the candidates: the one most likely to match it (in A, mid).
     assert route(policy, inst, emb[:1], small_or_mid) == ["mid"]
     assert route(policy, inst, emb[1:2], tiny + indices(inst, "small")) == ["small"]  # tiny has no labels
     assert route(policy, inst, emb[2:], tiny) == ["tiny"]  # no labelled model: like passthrough
 
 
-def test_the_classifier_is_trained_when_the_policy_is_built_and_kept(noisy_knn, monkeypatch):
+def test_the_scorer_is_trained_when_the_policy_is_built_and_kept(noisy_knn, monkeypatch):
     inst = pool()
     policy = make_pipeline("best_route+random", inst, noisy_knn)
-    assert isinstance(policy.router.classifier, ShortfallClassifier)
-    monkeypatch.setattr(ShortfallClassifier, "fit", classmethod(lambda *a, **k: pytest.fail("retrained")))
+    assert isinstance(policy.router.scorer, MatchScorer)
+    monkeypatch.setattr(MatchScorer, "fit", classmethod(lambda *a, **k: pytest.fail("retrained")))
     assert len(route(policy, inst, sample(5, seed=7)[0])) == 10
 
 
@@ -188,7 +235,7 @@ def test_on_the_bundled_labels_threshold_0_takes_72b_and_a_high_one_floods_3b(he
     assert high.get("3B", 0) >= 0.9
     assert low_quality > high_quality
     mid, _ = tier_shares(held_out, 0.5)
-    assert len(mid) >= 2  # in between, the classifier splits the traffic
+    assert len(mid) >= 2  # in between, the scorer splits the traffic
 
 
 # --- config -------------------------------------------------------------------------------------------

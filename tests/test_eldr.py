@@ -14,7 +14,7 @@ import pytest
 
 from gateway.config.store import default_config_path, load_config
 from gateway.core.engine.engine import Engine
-from gateway.core.engine.moe import ExpertModel, MoeSpec, union_reduction
+from gateway.core.engine.moe import ExpertModel, MoeSpec, expert_domain, union_reduction
 from gateway.core.engine.profiles import spec_for_instance
 from gateway.core.pool_state import PoolState
 from gateway.core.request import Estimates, RouteRequest
@@ -95,6 +95,17 @@ def test_tau_zero_is_the_nearest_centroid_whatever_its_load():
     assert view.running[0] == 41  # dead reckoning for the batch's next request
 
 
+def test_the_simulator_s_given_signature_is_refused_clearly_on_embeddings():
+    """signature = "given" with a live gateway's prompt embeddings (not one similarity per instance): every request
+    of the batch gets a 503 that says what to set, none fails the batch."""
+    policy = Eldr(EldrOptions(signature="given"), np.eye(4, dtype=np.float32))
+    est = Estimates(np.zeros((2, 4)), np.full((2, 4), 100.0), np.ones((2, 384), dtype=np.float32))
+    request = RouteRequest((0, 1, 2, 3), "p", 50, None, (1 / 3, 1 / 3, 1 / 3))
+    decisions = policy.assign([request, request], est, view_of(MOE.instances[:4], [0, 0, 0, 0]))
+    assert [d.refused.status for d in decisions] == [503, 503]
+    assert 'signature = "embedding"' in decisions[0].refused.message
+
+
 def test_tau_one_is_join_the_shortest_queue_whatever_the_similarity():
     d, _ = decide(1.0, [40, 6, 3, 1], [0.9, 0.85, 0.5, 0.2])
     assert d.ranked == (3, 2, 1, 0)
@@ -153,8 +164,9 @@ def decode_tpot(domains: list[str | None]) -> float:
 
 def test_a_mixed_batch_decodes_slower_than_a_same_domain_batch_of_the_same_size():
     kinds = list(SHARES)
-    same = decode_tpot(["math"] * 21)
-    mixed = decode_tpot([kinds[k % len(kinds)] for k in range(21)])
+    # Prompts of one kind (in the example's world, spread over the kind's hidden subdomains), and of every kind.
+    same = decode_tpot([expert_domain("math", f"question {k}") for k in range(21)])
+    mixed = decode_tpot([expert_domain(kinds[k % len(kinds)], f"question {k}") for k in range(21)])
     assert mixed > 1.1 * same
     assert decode_tpot(["math"]) == pytest.approx(MOE.instances[0].tpot_prior_ms / 1000, rel=0.01)  # alone: prior
     # The MoE layers dominate a batch's step.

@@ -75,6 +75,26 @@ def test_past_max_labels_new_rows_are_refused_and_none_pushed_out():
     assert store.add(length("s", A, 3)) == "stored"
 
 
+def test_max_labels_bounds_what_every_process_writing_the_file_stored(tmp_path):
+    """`serve --workers`: two workers, each its own connection to one file, take turns writing; the bound is
+    the file's, and a restart finds the count the triggers kept (a prune included)."""
+    path = tmp_path / "labels.db"
+    first, second = LabelStore(path, max_labels=5), LabelStore(path, max_labels=5)
+    outcomes = Counter()
+    for k in range(4):
+        outcomes += first.add_many([score(f"a{k}", A, 0.5)])
+        outcomes += second.add_many([score(f"b{k}", A, 0.5)])
+    assert outcomes == Counter({"stored": 5, "full": 3})
+    assert first.rows == second.rows == 5
+    assert second.prune(T0 + 31 * DAY_S, retention_days=30) == 5  # one worker's prune frees room for both
+    assert first.rows == 0 and first.add(score("c", A, 0.5)) == "stored"
+    first.close()
+    second.close()
+    again = LabelStore(path, max_labels=5)
+    assert again.rows == 1
+    again.close()
+
+
 def test_prune_deletes_traffic_labels_past_their_retention_and_keeps_file_labels():
     store = LabelStore.in_memory()
     old, new = T0 - 10 * DAY_S, T0 - DAY_S

@@ -20,6 +20,7 @@ from gateway.core.engine.profiles import arch_for
 from gateway.core.progressive import (
     Call,
     Candidate,
+    ConfidenceWeights,
     Fallback,
     FallbackRule,
     Price,
@@ -42,6 +43,7 @@ from gateway.core.progressive_prompts import (
     parse_sketch_prompt,
     sketch_prompt,
 )
+from gateway.lab.emulator.logprobs import answer_mean_logprob
 from gateway.lab.emulator.outputs import OutputLengths
 from gateway.lab.emulator.server import EmulatedPool
 from gateway.lab.emulator.settings import emulator_of
@@ -181,17 +183,21 @@ def test_bad_completion_logprobs_get_400(pool):
         assert e.value.body["param"] == "logprobs"
 
 
-def test_bigger_model_more_confident_on_a_known_prompt(pool):
-    """On a prompt the 72B answers better than the 3B (by the labels), its mean token logprob is higher;
-    and the means follow the documented mapping ln(0.45 + 0.5 q)."""
+def test_confidence_is_the_documented_noisy_signal_not_the_label(pool):
+    """A known prompt's mean token logprob is emulator/logprobs.py's signal (per-model bias, noise, part
+    label), so it is not a function of the label: on the prompt the 72B answers best against the 3B, each
+    model's mean is its own draw, and two models with one label would still differ by their biases."""
     rec = max(pool.records, key=lambda r: r.models[M72].score - r.models[M3].score)
-    assert rec.models[M72].score > rec.models[M3].score
-    means = {}
+    seed = pool.pool.lengths.seed
     for model in (M3, M72):
         r = chat(pool.client(model), model, rec.prompt, max_tokens=30, logprobs=True)
-        means[model] = mean([t.logprob for t in r.choices[0].logprobs.content])
-        assert means[model] == pytest.approx(math.log(0.45 + 0.5 * rec.models[model].score), abs=1e-9)
-    assert means[M72] > means[M3]
+        got = mean([t.logprob for t in r.choices[0].logprobs.content])
+        want = answer_mean_logprob(model=model, quality=rec.models[model].score, prompt=rec.prompt,
+                                   emulator_seed=seed, request_seed=None)
+        assert got == pytest.approx(want, abs=1e-9)
+    same_label = [answer_mean_logprob(model=m, quality=0.5, prompt=rec.prompt, emulator_seed=seed, request_seed=None)
+                  for m in (M3, M72)]
+    assert same_label[0] != same_label[1]
 
 
 # --- sketch and expansion prompts ---------------------------------------------------------------------
@@ -228,8 +234,9 @@ def test_expansion_prompt_gets_its_share_of_the_labelled_length(pool):
     r3 = chat(pool.client(M3), M3, expansion_prompt(rec.prompt, points, 3), max_tokens=400, logprobs=True)
     assert r2.usage.completion_tokens == r3.usage.completion_tokens == want
     assert r2.choices[0].message.content != r3.choices[0].message.content  # each point its own text
-    # the confidence is the question's label, whatever the point
-    target = math.log(0.45 + 0.5 * rec.models[M3].score)
+    # the confidence reads the question's label, with noise drawn per point's prompt
+    target = answer_mean_logprob(model=M3, quality=rec.models[M3].score, prompt=expansion_prompt(rec.prompt, points, 2),
+                                 emulator_seed=pool.pool.lengths.seed, request_seed=None)
     assert mean([t.logprob for t in r2.choices[0].logprobs.content]) == pytest.approx(target, abs=1e-9)
 
 
@@ -288,15 +295,18 @@ def test_parse_points_formats():
     assert parse_points("", 5) == []
 
 
-def test_choose_by_mean_logprob_then_shorter_then_first():
+def test_choose_by_mean_logprob_alone_then_shorter_then_first():
+    """With all of Eq. 3's weight on the token probability, the choice is the mean logprob's (the rest:
+    tests/test_progressive_confidence.py)."""
+    only_logprob = ConfidenceWeights(1.0, 0.0)
     a = Candidate("a b c", [-0.5, -0.5, -0.5], Usage(10, 3))
     b = Candidate("a b", [-0.2, -0.4], Usage(10, 2))
-    assert choose([a, b]) == 1
+    assert choose([a, b], "", only_logprob) == 1
     tie_long = Candidate("x y z", [-0.3, -0.3, -0.3], Usage(10, 3))
     tie_short = Candidate("x", [-0.3], Usage(10, 1))
-    assert choose([tie_long, tie_short]) == 1
-    assert choose([tie_short, Candidate("y", [-0.3], Usage(10, 1))]) == 0
-    assert choose([Candidate("no logprobs", None), a]) == 1
+    assert choose([tie_long, tie_short], "", only_logprob) == 1
+    assert choose([tie_short, Candidate("y", [-0.3], Usage(10, 1))], "", only_logprob) == 0
+    assert choose([Candidate("no logprobs", None), a], "", only_logprob) == 1
     with pytest.raises(ValueError):
         choose([])
 

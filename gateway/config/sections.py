@@ -21,7 +21,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from gateway.config_schema import ConfigError, Section, build_section, option, section, set_normalised
-from gateway.core.progressive import FallbackRule, ProgressiveLimits
+from gateway.core.progressive import ConfidenceWeights, FallbackRule, ProgressiveLimits
 from gateway.policies import registry
 
 __all__ = [
@@ -484,14 +484,23 @@ class ProgressiveConfig(Section):
     min_answer_tokens: int = option(200, ge=0)
     fact_max_words: int = option(15, ge=0)  # single_fact: a question this short opening "what/who/when..."
     fact_max_answer_tokens: int = option(400, ge=0)  # ... whose predicted answer is at most this long
+    # A point keeps its candidate of highest confidence, PICE's Eq. 3: this weight on the mean token
+    # probability, the next on the length over expansion_max_tokens, the rest on ROUGE-L against the point.
+    confidence_logprob_weight: float = option(0.5, ge=0, le=1)
+    confidence_length_weight: float = option(0.25, ge=0, le=1)
 
     def _validate(self) -> None:
         if self.min_points > self.max_points:
             raise ConfigError(f"must not exceed max_points ({self.max_points})", "min_points")
+        if self.confidence_logprob_weight + self.confidence_length_weight > 1 + 1e-9:
+            raise ConfigError("confidence_logprob_weight + confidence_length_weight must not exceed 1",
+                              "confidence_length_weight")
 
     def limits(self) -> ProgressiveLimits:
+        weights = ConfidenceWeights(self.confidence_logprob_weight, self.confidence_length_weight,
+                                    self.expansion_max_tokens)
         return ProgressiveLimits(self.max_points, self.sketch_max_tokens, self.expansion_max_tokens, self.candidates,
-                                 self.min_points)
+                                 self.min_points, weights)
 
     def rule(self) -> FallbackRule:
         return FallbackRule(self.min_answer_tokens, self.fact_max_words, self.fact_max_answer_tokens)
@@ -516,6 +525,13 @@ class MoeConfig(Section):
     # 16 -> 128 active experts is 4.7x the MoE-layer latency, so about 14)
     fixed_experts: float = option(14.0, ge=0)
     seed: int = 0  # of the domains' expert preferences
+    # Within-kind structure the kind does not reveal: `within` of a domain's own preference is its subdomain's,
+    # `subdomains` per kind, a prompt's fixed by its text's hash (0 / 1: the kind alone, as before)
+    within: float = option(0.0, ge=0, le=1)
+    subdomains: int = option(1, ge=1)
+    # Share of a domain's own preference its prefill tokens draw afresh (0.3: per-expert prefill/decode
+    # correlation 0.81, inside the paper's 0.70-0.92); what a count-IDF signature sees
+    prefill_noise: float = option(0.0, ge=0, le=1)
 
     def _validate(self) -> None:
         if self.experts_per_token > self.experts:

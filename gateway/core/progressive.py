@@ -2,15 +2,16 @@
 
 A large-tier model writes a sketch of numbered points; small-tier models expand
 each point (several candidates where the budget allows); the gateway keeps each
-point's most confident expansion (mean token logprob) and assembles the points
-in order. This module holds the decisions and the arithmetic; the server does
-the calls. The prompts themselves are gateway/core/progressive_prompts.py.
+point's most confident expansion (the paper's Eq. 3: token probability, length
+and ROUGE-L against the point) and assembles the points in order. This module
+holds the decisions and the arithmetic; the server does the calls. The prompts
+themselves are gateway/core/progressive_prompts.py.
 
 - `fallback_reason`: which prompts go through normal routing instead, and why.
 - `parse_points`: a sketch answer into its points.
 - `tiers`: which model sketches and which expand.
 - `plan_calls`, `check_budget`, `candidates_within`: the calls and their worst-case cost.
-- `choose`: one point's expansion among candidates.
+- `confidence`, `rouge_l`, `choose`: one point's expansion among candidates (Eq. 3).
 - `answer_part`, `assemble`: the final text, in point order (the same pieces a stream sends).
 - `Usage`, `sum_usage`: tokens and cost over every upstream call.
 """
@@ -182,23 +183,96 @@ class Candidate:
 
     @property
     def mean_logprob(self) -> float:
-        """Confidence: mean token logprob; -inf without logprobs or tokens."""
+        """Mean token logprob (natural log); -inf without logprobs or tokens."""
         lps = self.token_logprobs
         return math.fsum(lps) / len(lps) if lps else -math.inf
 
+    @property
+    def tokens(self) -> int:
+        """Its length in tokens: the upstream's count, else its logprobs' count, else its words."""
+        return self.usage.completion_tokens or len(self.token_logprobs or ()) or len(self.text.split())
 
-def choose(candidates: Sequence[Candidate]) -> int:
-    """Index of the expansion to keep: highest mean token logprob; ties go to the shorter answer
-    (completion tokens, else characters), then to the first."""
+
+@dataclass(frozen=True, slots=True)
+class ConfidenceWeights:
+    """The weights of PICE's Eq. 3 (the paper names alpha_1 and alpha_2 but gives no values): `logprob` on
+    the mean token probability, `length` on the normalised length, the rest on ROUGE-L against the point.
+    `length_scale`: the tokens at which the length term saturates (the expansion's max_tokens)."""
+
+    logprob: float = 0.5
+    length: float = 0.25
+    length_scale: int = 200
+
+    def __post_init__(self) -> None:
+        if self.logprob < 0 or self.length < 0 or self.logprob + self.length > 1 + 1e-9:
+            raise ValueError("confidence weights must be >= 0 and sum to at most 1")
+        if self.length_scale < 1:
+            raise ValueError("length_scale must be at least 1")
+
+    @property
+    def rouge(self) -> float:
+        return max(0.0, 1.0 - self.logprob - self.length)
+
+
+_WORD = re.compile(r"\w+")
+MAX_ROUGE_WORDS = 2000  # words of each text ROUGE-L reads: bounds its O(n m) table
+
+
+def rouge_l(reference: str, candidate: str) -> float:
+    """ROUGE-L F1 of `candidate` against `reference` (Lin 2004): the longest common subsequence of their
+    lower-cased words, as precision over the candidate's words and recall over the reference's, combined
+    by their harmonic mean (the F-measure ROUGE packages report by default). 0 when either has no words."""
+    ref = _WORD.findall(reference.lower())[:MAX_ROUGE_WORDS]
+    cand = _WORD.findall(candidate.lower())[:MAX_ROUGE_WORDS]
+    if not ref or not cand:
+        return 0.0
+    row = [0] * (len(cand) + 1)  # LCS lengths against the reference's prefix read so far
+    for w in ref:
+        prev_diag = 0
+        for j, c in enumerate(cand, 1):
+            above = row[j]
+            row[j] = prev_diag + 1 if w == c else max(above, row[j - 1])
+            prev_diag = above
+    lcs = row[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(cand), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def confidence_score(mean_logprob: float, tokens: int, point: str, text: str,
+                     weights: ConfidenceWeights = ConfidenceWeights()) -> float:
+    """PICE's Eq. 3: weights.logprob x the mean token probability (2 to the mean log2 probability, i.e.
+    exp of the mean natural logprob; 0 without logprobs) + weights.length x the length normalised by
+    `weights.length_scale` (at most 1: a more detailed expansion scores higher) + the rest x ROUGE-L of the
+    expansion against its sketch point (an expansion that keeps to its point scores higher). In [0, 1]."""
+    probability = math.exp(mean_logprob) if mean_logprob > -math.inf else 0.0
+    length = min(1.0, max(0, tokens) / weights.length_scale)
+    score = weights.logprob * probability + weights.length * length
+    if weights.rouge > 0:
+        score += weights.rouge * rouge_l(point, text)
+    return score
+
+
+def confidence(candidate: Candidate, point: str, weights: ConfidenceWeights = ConfidenceWeights()) -> float:
+    """Eq. 3's confidence of one expansion of `point` (confidence_score on the candidate's own figures)."""
+    return confidence_score(candidate.mean_logprob, candidate.tokens, point, candidate.text, weights)
+
+
+def best_of(scores: Sequence[float], tokens: Sequence[int]) -> int:
+    """Index of the highest score; ties go to the shorter answer, then to the first."""
+    if not scores:
+        raise ValueError("no candidates to choose from")
+    return max(range(len(scores)), key=lambda i: (scores[i], -tokens[i], -i))
+
+
+def choose(candidates: Sequence[Candidate], point: str = "", weights: ConfidenceWeights = ConfidenceWeights()) -> int:
+    """Index of the expansion of `point` to keep: the highest Eq. 3 confidence (`confidence`); ties go to
+    the shorter answer (its tokens, else characters), then to the first."""
     if not candidates:
         raise ValueError("no candidates to choose from")
-
-    def key(i: int) -> tuple[float, int, int]:
-        c = candidates[i]
-        length = c.usage.completion_tokens or len(c.text)
-        return (c.mean_logprob, -length, -i)
-
-    return max(range(len(candidates)), key=key)
+    return best_of([confidence(c, point, weights) for c in candidates],
+                   [c.usage.completion_tokens or len(c.text) for c in candidates])
 
 
 # --- assembly -------------------------------------------------------------------------------------------
@@ -230,6 +304,7 @@ class ProgressiveLimits:
     expansion_max_tokens: int = 200
     candidates: int = 2  # expansions per point, at most
     min_points: int = 2  # a sketch with fewer points is answered whole (normal routing)
+    confidence: ConfidenceWeights = ConfidenceWeights()  # how a point's expansion is chosen (Eq. 3)
 
 
 def tiers(prices: Mapping[str, tuple[float, float]], expanders: int) -> tuple[str, list[str]] | None:

@@ -163,6 +163,14 @@ def add_commands(sub, config_option) -> None:
                         "predicted to miss its bound), or marginal (only those the action pushes over)")
     p.add_argument("--demo-episodes", type=int, default=12,
                    help="episodes of the qos heuristic's decisions the actor first imitates (0: SAC from scratch)")
+    p.add_argument("--baseline-rl", action="store_true",
+                   help="qos-rl: train the QoS paper's Baseline RL instead (expert-level features only, the QoS "
+                        "completed since each decision as reward, no demonstrations; overrides --gain, --penalty "
+                        "and --demo-episodes)")
+    p.add_argument("--no-drop", action="store_true",
+                   help="qos-rl: train with the drop action masked (every request is placed)")
+    p.add_argument("--similar-share", type=float, default=0.0,
+                   help="qos-rl: share of training episodes on the qos-similar pool of like experts")
 
 def cmd_train(args) -> int:
     from gateway.config.store import load_config
@@ -206,9 +214,18 @@ def cmd_train_policy(args) -> int:
         print(f"error: training needs PyTorch ({e}): pip install 'routebalance-gateway[train]'", file=sys.stderr)
         return 2
     command = (f"routebalance train-policy {args.policy} --seed {args.seed} --budget-s {args.budget_s:g} "
-               f"--gain {args.gain} --penalty {args.penalty} --demo-episodes {args.demo_episodes}")
-    settings = TrainSettings(seed=args.seed, budget_s=args.budget_s, gain=args.gain, penalty=args.penalty,
-                             demo_episodes=args.demo_episodes)
+               f"--similar-share {args.similar_share:g} --out {args.out} {'--no-drop ' if args.no_drop else ''}"
+               + ("--baseline-rl" if args.baseline_rl else
+                  f"--gain {args.gain} --penalty {args.penalty} --demo-episodes {args.demo_episodes}"))
+    if args.baseline_rl:
+        from gateway.lab.training.qos_rl import baseline_settings
+
+        settings = baseline_settings(seed=args.seed, budget_s=args.budget_s, similar_share=args.similar_share,
+                                     drop=not args.no_drop)
+    else:
+        settings = TrainSettings(seed=args.seed, budget_s=args.budget_s, gain=args.gain, penalty=args.penalty,
+                                 demo_episodes=args.demo_episodes, similar_share=args.similar_share,
+                                 drop=not args.no_drop)
     result = main(load_config(args.config), settings, args.out, command)
     m = result.meta
     print(f"{m['episodes']} episodes, {m['env_steps']} decisions, {m['updates']} updates in {m['training_s']:.0f} s; "

@@ -43,7 +43,15 @@ _SCHEMA = (
         UNIQUE (prompt_hash, model, source, censored)
     )""",
     "CREATE INDEX IF NOT EXISTS labels_created ON labels (created)",
+    # The row count, kept by triggers in the file itself: several gateway processes (`serve --workers`)
+    # write one store, and max_labels bounds what all of them stored (counting the table would scan it).
+    "CREATE TABLE IF NOT EXISTS label_count (id INTEGER PRIMARY KEY CHECK (id = 0), n INTEGER NOT NULL)",
+    "INSERT OR IGNORE INTO label_count (id, n) SELECT 0, COUNT(*) FROM labels",
+    "CREATE TRIGGER IF NOT EXISTS labels_counted AFTER INSERT ON labels BEGIN UPDATE label_count SET n = n + 1; END",
+    "CREATE TRIGGER IF NOT EXISTS labels_uncounted AFTER DELETE ON labels BEGIN UPDATE label_count SET n = n - 1; "
+    "END",
 )
+_COUNT = "SELECT n FROM label_count"
 _INSERT = """INSERT OR IGNORE INTO labels (prompt_hash, prompt, model, source, value, censored, key, created)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)"""
 _COLUMNS = "prompt_hash, model, source, value, created, prompt, censored, key"
@@ -77,10 +85,9 @@ class LabelStats:
 
 @dataclass(slots=True)
 class _Open:
-    """The connection and its row count (kept in memory: counting the table on every write would scan it)."""
+    """The connection, and the lock that keeps its calls from overlapping."""
 
     db: sqlite3.Connection
-    rows: int
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
@@ -106,11 +113,10 @@ class LabelStore:
                 db.execute("PRAGMA synchronous=NORMAL")
                 for statement in _SCHEMA:
                     db.execute(statement)
-                rows = db.execute("SELECT COUNT(*) FROM labels").fetchone()[0]
             except sqlite3.Error:
                 db.close()
                 raise
-        self._open = _Open(db, rows)
+        self._open = _Open(db)
 
     @classmethod
     def in_memory(cls, max_labels: int = 1_000_000) -> LabelStore:
@@ -125,7 +131,9 @@ class LabelStore:
 
     @property
     def rows(self) -> int:
-        return self._open.rows
+        o = self._open
+        with o.lock, self._errors():
+            return int(o.db.execute(_COUNT).fetchone()[0])
 
     # ---- writing ---------------------------------------------------------------------------
     def add(self, label: Label) -> Added:
@@ -141,9 +149,9 @@ class LabelStore:
         o = self._open
         outcomes: list[Added] = []
         with o.lock, self._errors():
-            o.db.execute("BEGIN IMMEDIATE")
-            rows = o.rows
+            o.db.execute("BEGIN IMMEDIATE")  # the write lock: no other process adds between the count and the insert
             try:
+                rows = int(o.db.execute(_COUNT).fetchone()[0])
                 for label in labels:
                     if rows >= self.max_labels:
                         outcomes.append("full")
@@ -157,7 +165,6 @@ class LabelStore:
             except BaseException:
                 o.db.execute("ROLLBACK")
                 raise
-            o.rows = rows
         return outcomes
 
     def prune(self, now: float, retention_days: float) -> int:
@@ -167,7 +174,6 @@ class LabelStore:
         with o.lock, self._errors():
             cursor = o.db.execute("DELETE FROM labels WHERE source != 'file' AND created < ?",
                                   (now - retention_days * DAY_S,))
-            o.rows -= cursor.rowcount
             return cursor.rowcount
 
     # ---- reading ---------------------------------------------------------------------------

@@ -15,7 +15,8 @@ One request asking for `routing.mode = "progressive"` (or `X-Route-Mode: progres
    `X-Route-Fallback-Cost-USD` says how much);
 4. one expansion call per point and candidate, all in parallel, on the cheapest models (candidate k
    on the k-th cheapest, so candidates differ; with a `seed`, candidate k samples with seed + k), each
-   asking for logprobs; each point keeps its most confident expansion (mean token logprob); a point
+   asking for logprobs; each point keeps its most confident expansion (PICE's Eq. 3, core/progressive.py
+   `confidence`: token probability, length and ROUGE-L against the point, weighted by [progressive]); a point
    whose every candidate failed keeps the sketch's own words
    (`routebalance_progressive_points{result="sketch_text"}`);
 5. the answer: one chat.completion, or a stream that sends the points in order as each is ready.
@@ -262,7 +263,7 @@ class Progressive:
                 self.metrics.progressive_points.labels("sketch_text").inc()
                 return None
             self.metrics.progressive_points.labels("expanded").inc()
-            return found[choose(found)].text
+            return found[choose(found, points[index], limits.confidence)].text
 
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(expand(i)) for i in range(len(points))]

@@ -115,14 +115,21 @@ def supervise(worker_argv: list[str], workers: int, shutdown_timeout_s: float) -
     code = 0
     try:
         for index in range(workers):
+            if stopping:  # a signal came while they started: the ones started have it
+                break
             children.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", *worker_argv,
                                               "--worker", f"{index}/{workers}"], env=env,
                                              preexec_fn=_stop_with_parent))
+        if stopping:
+            forward(signal.SIGTERM, None)
+        if not children:
+            return 0
         log.info("%d gateway workers started (pids %s)", workers, ", ".join(str(c.pid) for c in children))
         pid, status = os.wait()  # the first worker to end; a signal's handler runs meanwhile
         first = next(c for c in children if c.pid == pid)
         first.returncode = os.waitstatus_to_exitcode(status)
-        if not stopping:
+        asked = stopping  # (a signal), else the worker ended on its own
+        if not asked:
             code = first.returncode or 1
             log.error("worker %d exited (code %s): stopping the others", children.index(first), first.returncode)
             forward(signal.SIGTERM, None)
@@ -134,7 +141,7 @@ def supervise(worker_argv: list[str], workers: int, shutdown_timeout_s: float) -
                 log.error("worker pid %d did not stop in time: killed", child.pid)
                 child.kill()
                 child.wait()
-        if stopping:
+        if asked:
             code = next((c.returncode for c in children if c.returncode not in (0, -signal.SIGTERM)), 0)
     finally:
         for s, handler in previous.items():

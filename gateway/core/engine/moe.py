@@ -15,6 +15,17 @@ The model here, per MoE tier (config `[instances.moe]`):
   every domain (`shared`: experts every domain likes, which the paper's
   signatures down-weight with IDF) with the domain's own part. It is fixed by
   (seed, domain name, layer), so the emulator and the simulator agree.
+- Within a kind, prompts differ (`within` > 0): each kind has `subdomains`
+  subdomains, and `within` of a prompt's own part is its subdomain's draw.
+  A prompt's subdomain is fixed by a hash of its text (`expert_domain`), so
+  neither its kind label nor what its words mean tells it: only its expert
+  activations do. within = 0 is the kind alone (the world the results had
+  before; the paper's Observation 1 was calibrated there).
+- Prefill tokens read the prompt and decode tokens write the answer, so
+  their experts agree only in part (the paper's Fig. 3: per-expert
+  correlation 0.70-0.92): `prefill_noise` of a domain's own part is, for
+  its prefill tokens, a prefill-only draw (`prefill_counts`, what a
+  count-IDF signature is built from).
 - A token of domain d activates expert e of layer l with probability
   pi_d(l, e) = min(1, k x q_d(l, e)) (rescaled so each token activates
   exactly k = experts_per_token experts on average): the inclusion
@@ -65,6 +76,9 @@ class MoeSpec:
     moe_share: float = 0.6  # of a lone decode step, the MoE layers' part
     fixed_experts: float = 14.0  # MoE-layer time that does not grow with the experts loaded, in experts' worth
     seed: int = 0  # of the domains' expert preferences
+    within: float = 0.0  # share of a domain's own preference that is its subdomain's (0: the kind alone)
+    subdomains: int = 1  # per kind; a prompt's is fixed by its text's hash (hidden from its kind and meaning)
+    prefill_noise: float = 0.0  # share of a domain's own preference that its prefill tokens draw afresh
 
     def __post_init__(self):
         if not 1 <= self.experts_per_token <= self.experts:
@@ -73,11 +87,27 @@ class MoeSpec:
             raise ValueError("need layers >= 1, concentration >= 0 and shared in [0, 1]")
         if not 0 < self.moe_share < 1 or self.fixed_experts < 0:
             raise ValueError("need moe_share in (0, 1) and fixed_experts >= 0")
+        if not 0 <= self.within <= 1 or self.subdomains < 1 or not 0 <= self.prefill_noise <= 1:
+            raise ValueError("need within and prefill_noise in [0, 1] and subdomains >= 1")
+
+    @property
+    def structured(self) -> bool:
+        """Whether prompts of one kind differ in their experts (subdomains)."""
+        return self.within > 0 and self.subdomains > 1
 
 
 def _seed_of(*parts: object) -> int:
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8, person=b"moe-expt").digest()
     return int.from_bytes(digest, "big")
+
+
+def expert_domain(kind: str | None, text: str) -> str | None:
+    """The domain a prompt's tokens route by: its kind and a key of its text ("kind#key"; an MoE tier with
+    subdomains takes the prompt's subdomain from the key), or None for a prompt of no known kind."""
+    if kind is None:
+        return None
+    key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, person=b"moe-subd").hexdigest()
+    return f"{kind}#{key}"
 
 
 def inclusion(q: np.ndarray, k: int) -> np.ndarray:
@@ -109,26 +139,61 @@ class ExpertModel:
         self._shared = np.random.default_rng(_seed_of(spec.seed, "shared")).standard_normal(
             (spec.layers, spec.experts))
         self._cache: dict[tuple, float] = {}
+        self._prefill: dict[str | None, np.ndarray] = {}  # per domain: prefill activation probabilities
+
+    def canonical(self, name: str) -> str:
+        """The domain a name routes by on this tier: "kind/sub" with subdomains, else the kind. A name is a
+        kind, "kind/sub", or expert_domain's "kind#key"."""
+        kind, sep, key = name.partition("#")
+        if not sep:
+            return name if self.spec.structured else name.partition("/")[0]
+        return f"{kind}/{int(key, 16) % self.spec.subdomains}" if self.spec.structured else kind
 
     def domain(self, name: str | None) -> int:
         """The index of a domain by name (its preferences drawn on first use); None: NEUTRAL."""
         if name is None:
             return self.NEUTRAL
+        name = self.canonical(name)
         found = self._index.get(name)
         if found is None:
             found = self._index[name] = len(self._log_miss)
             self._log_miss.append(np.log1p(-np.minimum(self.activation(name), 1 - 1e-12)))
         return found
 
-    def activation(self, name: str | None) -> np.ndarray:
-        """(layers, experts) probability that one token of the domain activates each expert."""
+    def _own(self, name: str) -> np.ndarray:
+        """A domain's own part of its preference (standard normal per layer and expert): its kind's, mixed
+        with its subdomain's on a tier with subdomains."""
+        spec, shape = self.spec, (self.spec.layers, self.spec.experts)
+        kind, _, sub = name.partition("/")
+        own = np.random.default_rng(_seed_of(spec.seed, "domain", kind)).standard_normal(shape)
+        if sub and spec.structured:
+            part = np.random.default_rng(_seed_of(spec.seed, "subdomain", kind, sub)).standard_normal(shape)
+            own = np.sqrt(1 - spec.within) * own + np.sqrt(spec.within) * part
+        return own
+
+    def activation(self, name: str | None, prefill: bool = False) -> np.ndarray:
+        """(layers, experts) probability that one token of the domain activates each expert: a decode token's,
+        or (prefill) a prompt token's."""
         spec = self.spec
         if name is None:
             return np.full((spec.layers, spec.experts), spec.experts_per_token / spec.experts)
-        own = np.random.default_rng(_seed_of(spec.seed, "domain", name)).standard_normal((spec.layers, spec.experts))
+        name = self.canonical(name)
+        own = self._own(name)
+        if prefill and spec.prefill_noise > 0:
+            fresh = np.random.default_rng(_seed_of(spec.seed, "prefill", name)).standard_normal(own.shape)
+            own = np.sqrt(1 - spec.prefill_noise) * own + np.sqrt(spec.prefill_noise) * fresh
         logits = spec.concentration * (np.sqrt(spec.shared) * self._shared + np.sqrt(1 - spec.shared) * own)
         q = np.exp(logits - logits.max(axis=1, keepdims=True))
         return inclusion(q, spec.experts_per_token)
+
+    def prefill_counts(self, name: str | None, tokens: int, rng: np.random.Generator) -> np.ndarray:
+        """(layers, experts) how many of a prompt's `tokens` prefill tokens each expert took: each token
+        activates each expert with its prefill probability (top-k inclusion, drawn independently)."""
+        key = None if name is None else self.canonical(name)
+        pi = self._prefill.get(key)
+        if pi is None:
+            pi = self._prefill[key] = self.activation(key, prefill=True)
+        return rng.binomial(max(int(tokens), 1), pi)
 
     def union(self, counts: Mapping[int, float] | Iterable[tuple[int, float]]) -> float:
         """Expected distinct experts per MoE layer (mean over layers) that a step of these tokens loads:

@@ -1,18 +1,36 @@
 """Token logprobs for the emulator's answers, in vLLM's OpenAI shapes.
 
-The mapping (deterministic per prompt, model, emulator seed and request seed):
+The answer's mean token logprob is a noisy, per-model-biased signal only partly
+correlated with its labelled quality (so that choosing among answers by it is
+not an oracle; issue 27). Deterministic per prompt, model, emulator seed and
+request seed:
 
-- the answer's quality q in [0, 1] is the model's labelled score for the prompt
-  (for a progressive prompt, for its question) when the prompt is known, else
-  a prior by model size, PRIOR_BASE + PRIOR_PER_LOG_B * ln(params in billions),
-  clamped to [0, 1] (3B 0.36, 7B 0.45, 14B 0.52, 72B 0.68);
-- the answer's mean token logprob is ln(P_FLOOR + P_SPAN * q): from ln 0.45
-  (-0.80) for a useless answer to ln 0.95 (-0.05) for a perfect one, so a better
-  model, or an easier prompt, is more confident;
-- a request `seed` moves that mean by a factor exp(SEED_SPREAD * z), z ~ N(0, 1)
-  drawn from the seed, as sampling with another seed gives another answer;
+    mean = LP_BASE + bias(model)
+           + LP_SPREAD * (RHO * (q - Q_CENTRE) / Q_SCALE + sqrt(1 - RHO^2) * z)
+
+- q in [0, 1] is the model's labelled score for the prompt (for a progressive
+  prompt, for its question) when the prompt is known, else a prior by model
+  size, PRIOR_BASE + PRIOR_PER_LOG_B * ln(params in billions), clamped to
+  [0, 1] (3B 0.36, 7B 0.45, 14B 0.52, 72B 0.68);
+- z ~ N(0, 1) is drawn from (emulator seed, model, prompt, request seed): a
+  request `seed` gives another answer, and another confidence, as sampling does;
+- bias(model) ~ N(0, BIAS_SD) is drawn once per model name (seeded by the name
+  alone): PICE observed that a model's perplexity sits above or below another's
+  whatever the answers' quality (Llama3-8B's above Qwen2.5-7B's), which is why
+  its Eq. 3 adds text scores to it;
+- within one model the mean's correlation with q is RHO (0.3) when the labels'
+  spread is Q_SCALE (0.22, the synthetic small models' label sd). RHO is an
+  assumption, not a measurement: token likelihood is a weak-to-moderate
+  predictor of answer quality in the uncertainty-estimation literature, and 0.3
+  sits at the weak end (it tells a good answer from a bad one with AUROC about
+  0.67: a point-biserial 0.3 over balanced classes); across models the biases
+  add to it. LP_SPREAD (0.15 nats) is a model's spread of mean token logprob
+  across answers and LP_BASE (-0.45, perplexity 1.57) its typical level for chat
+  answers; both set the scale the bias is read against;
+- the mean is kept in [LP_MIN, LP_MAX];
 - per token, the logprob is the mean times an exponential draw normalised to mean
-  one over the answer, so a whole answer's mean is exactly the target;
+  one over the answer, so a whole answer's mean is exactly the target (the
+  simulator reads `answer_mean_logprob` for it, sim/progressive.py);
 - the top alternatives share the rest of the probability mass (1 - p) in
   geometric shares 0.6, 0.24, 0.096, ... over words of the filler vocabulary.
 """
@@ -27,9 +45,12 @@ from gateway.core.engine.profiles import arch_for
 from gateway.records import prompt_key
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-P_FLOOR, P_SPAN = 0.45, 0.5
 PRIOR_BASE, PRIOR_PER_LOG_B = 0.25, 0.1
-SEED_SPREAD = 0.15
+LP_BASE, LP_SPREAD = -0.45, 0.15  # nats per token: a model's typical mean, and its spread across answers
+RHO = 0.3  # within a model, the mean's correlation with the labelled quality (at label sd Q_SCALE)
+Q_CENTRE, Q_SCALE = 0.38, 0.22  # the synthetic small models' mean label and its sd
+BIAS_SD = 0.1  # nats per token: spread of the per-model offsets
+LP_MIN, LP_MAX = -5.0, -0.005
 _ALT_FIRST, _ALT_RATIO = 0.6, 0.4
 _ALT_WORDS = tuple(" " + w for w in (
     "a the this that an its these their our your one some any each such more most other same new first "
@@ -42,9 +63,19 @@ def prior_quality(model: str) -> float:
     return min(1.0, max(0.0, PRIOR_BASE + PRIOR_PER_LOG_B * math.log(arch_for(model).params_b)))
 
 
-def mean_logprob(quality: float) -> float:
-    """The mean token logprob of an answer of this quality (see the module docstring)."""
-    return math.log(P_FLOOR + P_SPAN * min(1.0, max(0.0, quality)))
+def model_bias(model: str) -> float:
+    """The model's offset of mean token logprob, drawn once from its name (see the module docstring)."""
+    return random.Random(f"logprob-bias:{model}").gauss(0.0, BIAS_SD)
+
+
+def answer_mean_logprob(*, model: str, quality: float, prompt: str, emulator_seed: int,
+                        request_seed: int | None) -> float:
+    """The mean token logprob of `model`'s answer to `prompt` (key text: the last user turn), whose labelled
+    quality is `quality` (see the module docstring)."""
+    q = min(1.0, max(0.0, quality))
+    z = random.Random(f"logprob-noise:{emulator_seed}:{model}:{prompt_key(prompt)}:{request_seed}").gauss(0.0, 1.0)
+    signal = RHO * (q - Q_CENTRE) / Q_SCALE + math.sqrt(1.0 - RHO * RHO) * z
+    return min(LP_MAX, max(LP_MIN, LP_BASE + model_bias(model) + LP_SPREAD * signal))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +89,9 @@ class TokenLogprobs:
     def for_answer(cls, *, text: str, model: str, quality: float | None, tokens: int, emulator_seed: int,
                    request_seed: int | None) -> TokenLogprobs:
         key = prompt_key(text)
-        mean = mean_logprob(prior_quality(model) if quality is None else quality)
+        mean = answer_mean_logprob(model=model, quality=prior_quality(model) if quality is None else quality,
+                                   prompt=text, emulator_seed=emulator_seed, request_seed=request_seed)
         rng = random.Random(f"logprobs:{emulator_seed}:{model}:{key}:{request_seed}")
-        if request_seed is not None:
-            mean = max(mean * math.exp(SEED_SPREAD * rng.gauss(0.0, 1.0)), -5.0)
         draws = [rng.expovariate(1.0) for _ in range(tokens)]
         scale = mean * tokens / sum(draws) if tokens and sum(draws) > 0 else 0.0
         return cls(tuple(min(0.0, d * scale) for d in draws), int(key[:8], 16))

@@ -25,6 +25,7 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from gateway.core.engine.moe import expert_domain
 from gateway.core.progressive_prompts import original_question, parse_expansion_prompt, parse_sketch_prompt
 from gateway.lab.workload.progressive import expansion_tokens, sketch_points, sketch_words
 from gateway.records import MAX_OUTPUT_TOKENS, UNKNOWN_KIND, Record, prompt_key
@@ -104,6 +105,11 @@ class OutputLengths:
         if not self.kinds:
             return None
         return self.kinds.get(prompt_key(_question(text)))
+
+    def domain_of(self, text: str) -> str | None:
+        """What a mixture-of-experts instance routes the prompt's tokens by: its kind and its question's text
+        (engine/moe.py expert_domain, as the simulator gives it), None for a prompt of no known kind."""
+        return expert_domain(self.kind_of(text), _question(text))
 
     def quality(self, text: str, model: str) -> float | None:
         """The labelled quality of `model` on this prompt (or on a progressive prompt's question), if known."""

@@ -173,7 +173,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                                       request_seed=request_seed)
     render = _Render(chat, answer, top_n, lp)
     seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
-                            now=loop_now, domain=pool.lengths.kind_of(text))
+                            now=loop_now, domain=pool.lengths.domain_of(text))
     pool.kick()
     created = int(time.time())
     try:

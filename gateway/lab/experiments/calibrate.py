@@ -107,6 +107,7 @@ def targets(rates: Sequence[float] = (6, 18, 24, 30)) -> list[Target]:
         t.append(Target(f"latency term (arm 1) faster than {arm}, at 12 req/s", "uniform@12",
                         f"speedup:{arm}@12", (0.26, 0.31)))
         t.append(Target(f"{arm} (w_lat = 0), share on 72B", f"{arm}@12", "mix:72B", 0.14, POINTS))
+    # Reported, not tuned for: BEST-Route follows its paper's mechanism and misses these (docs/policies/pipeline.md).
     t += [
         Target("BEST-Route t=0.5 (concurrent), mean E2E at 24 req/s (s)", "best_route t=0.5@24", "e2e_mean", 6.9),
         Target("BEST-Route t=0.5 (concurrent), mean E2E at 30 req/s (s)", "best_route t=0.5@30", "e2e_mean", 11.4),

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gateway.lab.experiments import eldr_eval, labelled_sweep, progressive_eval, qos_eval, slo_sweeps, sweeps
+from gateway.lab.experiments import (
+    best_route_labelled,
+    eldr_eval,
+    labelled_sweep,
+    progressive_eval,
+    qos_eval,
+    slo_sweeps,
+    sweeps,
+)
 from gateway.lab.experiments.sweeps import Cell, Pair
 
 SWEEPS: dict[str, Callable[[int], list[Cell]]] = {
@@ -12,14 +20,16 @@ SWEEPS: dict[str, Callable[[int], list[Cell]]] = {
     "robustness": sweeps.robustness, "qlm": slo_sweeps.qlm, "qlm_cap": slo_sweeps.qlm_cap,
     "qlm_multi": slo_sweeps.qlm_multi, "qos": qos_eval.qos_cells, "staleness": sweeps.staleness,
     "eldr": eldr_eval.eldr_cells, "progressive": progressive_eval.progressive_cells,
-    "qlm_trace": slo_sweeps.qlm_trace, "qos_trace": qos_eval.qos_trace}
+    "qlm_trace": slo_sweeps.qlm_trace, "qos_trace": qos_eval.qos_trace, "qos_fair": qos_eval.qos_fair,
+    "best_route": sweeps.best_route_cells, "best_route_labelled": best_route_labelled.cells}
 PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
     "frontier": sweeps.frontier_pairs, "arms": sweeps.arms_pairs, "budget": sweeps.budget_pairs,
     "batching": sweeps.batching_pairs, "robustness": sweeps.robustness_pairs, "qlm": slo_sweeps.qlm_pairs,
     "qlm_cap": slo_sweeps.qlm_cap_pairs, "qlm_multi": slo_sweeps.qlm_multi_pairs, "qos": qos_eval.qos_pairs,
     "staleness": sweeps.staleness_pairs, "eldr": eldr_eval.eldr_pairs,
     "progressive": progressive_eval.progressive_pairs, "qlm_trace": slo_sweeps.qlm_pairs,
-    "qos_trace": qos_eval.qos_pairs}
+    "qos_trace": qos_eval.qos_pairs, "qos_fair": qos_eval.fair_pairs, "best_route": sweeps.best_route_pairs,
+    "best_route_labelled": best_route_labelled.pairs}
 # Held-out prompts per cell when `--requests` is not given (the others: 2500).
 REQUESTS: dict[str, int] = {"staleness": sweeps.STALENESS_REQUESTS, "progressive": progressive_eval.REQUESTS}
 
@@ -29,3 +39,4 @@ ON_CAPACITY: dict[str, tuple[Callable[[int, float], list[Cell]], Callable[[Seque
                              Callable[[int], Cell]]] = {
     "labelled": (labelled_sweep.cells, labelled_sweep.pairs, labelled_sweep.capacity_cell)}
 REQUESTS["labelled"] = labelled_sweep.REQUESTS
+REQUESTS["best_route_labelled"] = best_route_labelled.REQUESTS

@@ -6,10 +6,11 @@ On the default pool (the 72B tier sketches; 3B and 7B expand, sim/progressive.py
 - cloud-only: every request names the 72B (the paper's Cloud-only), routed
   by RouteBalance among its instances;
 - progressive: every request asks for progressive mode and names the 72B, so
-  a request the fallback rule sends back is the cloud-only one; its quality
-  estimate is the cloud-only one by construction (the sketch carries the
-  answer), and `quality_floor` says what it would be if the small models
-  decided it;
+  a request the fallback rule sends back is the cloud-only one; a sketched
+  one's `quality` is the labels of the expansions the gateway's confidence
+  (Eq. 3, on the emulator's noisy, per-model-biased logprobs) kept, and its
+  `quality_floor` the labels an oracle pick would keep (sim/progressive.py),
+  against the cloud-only cell's `quality`, the 72B's labels on the same prompts;
 - routing: RouteBalance over the whole pool at uniform weights (the paper's
   Routing baseline: each request to one model), for reference;
 - progressive + routing: progressive mode without a named model, so the
@@ -24,7 +25,9 @@ figure): every system under a burst of BURST_RATE, far past what the 72B
 tier drains, where served requests over the span is the system's capacity.
 
 Pairs: progressive against cloud-only and against routing at each rate,
-request by request (E2E mean and p90, TTFT, cost; relative too).
+request by request (quality, E2E mean and p90, TTFT, cost; relative too): the
+quality difference against cloud-only is the confidence pick's labels minus the
+72B's, with a paired interval.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ RATES = (0.5, 1.0, 1.5, 2.0, 3.0)
 BURST_RATE = 20.0
 SYSTEMS = ("cloud-only", "progressive", "routing", "progressive + routing", "progressive, any length")
 FIGURES = ("quality", "e2e_mean", "e2e_p90", "ttft_mean", "cost_mean")
-REQUESTS = 1000
+REQUESTS = 600  # held-out prompts per cell (1,000 before issue 27; 600: five seeds in about 13 CPU-minutes)
 
 
 def _cell(system: str, rate: float, n: int) -> Cell:

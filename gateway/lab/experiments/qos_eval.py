@@ -25,6 +25,20 @@ keeps lambda fixed while N grows (its Fig. 11), which `rate_for` can do too.
 bound, with the Azure LLM inference trace's arrivals (arrivals.py) at the
 same rate as the Poisson and gamma cells.
 
+`qos_fair` (`routebalance sim --sweep qos_fair`): the comparison the paper
+makes, on its kind of pool and on ours. Its headline is over "Baseline RL"
+(expert-level features, completed-QoS reward; gateway/lab/training/
+qos_baseline.py), on similar experts; so: `qos`, `qos-rl` (the shipped actor,
+cloned from `qos`), `qos-rl-scratch` (SAC from a random actor) and
+`baseline-rl` beside the heuristic baselines, at N = 6 on the qos-similar
+pool (six like 7B-class instances, lab/sim/pools.py; 24 req/s, where L
+binds) and on the four-tier pool (9 req/s), at the paper's default L = 30
+ms and the headline 50 ms. Baseline RL runs twice: as trained, the drop
+action open, and trained and run with it masked (`baseline-rl-nodrop`). The
+trained actors are read from FAIR_ACTORS (paths and options; `actors=` takes
+others) and run in the `qos-rl` policy, whose ONNX loader they fit. Pool
+kinds are tagged `pool_kind`.
+
 `bench_decisions` times a policy's decisions per request (the figure behind
 its `compute_s`).
 """
@@ -33,13 +47,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from gateway.lab.experiments.sweeps import RB_WEIGHTS, Cell, Pair
 from gateway.lab.sim.arrivals import ArrivalSpec
 from gateway.lab.sim.evalset import EvalSet
-from gateway.lab.sim.pools import GAMMA_SHAPE, pool_names
+from gateway.lab.sim.pools import GAMMA_SHAPE, QOS_SIMILAR_ANSWERS, pool_names
 from gateway.lab.sim.simulator import CellSpec
 
 POOL_SIZES = (3, 6, 9, 12)
@@ -47,17 +62,38 @@ BOUNDS_MS = (30.0, 50.0, 80.0)  # L: below the 7B tier's lone TPOT (20.6 ms) x 1
 RATE_PER_INSTANCE = 1.5  # req/s per instance: the 13-instance pool at ~20 req/s, where the 72B tier queues
 HEADLINE_N, HEADLINE_MS = 6, 50.0  # the paper's N = 6 and a bound the 72B tier meets only when lightly loaded
 SYSTEMS = ("qos", "qos-rl", "round_robin", "shortest_queue", "quality_only", "uniform")
+# The actors `qos_fair` runs beside the shipped one (written by `routebalance train-policy qos-rl --out ...`,
+# docs/results/qos.md says with which budget).
+# A system: its [policies.qos_rl] options. The no-drop Baseline RL was trained with the drop action masked,
+# and runs so.
+FAIR_ACTORS: dict[str, dict] = {
+    "qos-rl-scratch": {"actor": "loadtest/results/qos_rl_scratch/actor.onnx"},
+    "baseline-rl": {"actor": "loadtest/results/qos_baseline_rl/actor.onnx"},
+    "baseline-rl-nodrop": {"actor": "loadtest/results/qos_baseline_rl_nodrop/actor.onnx", "drop": False}}
+FAIR_SYSTEMS = ("qos", "qos-rl", "qos-rl-scratch", "baseline-rl", "baseline-rl-nodrop", "round_robin",
+                "shortest_queue", "quality_only", "uniform")
+FAIR_BOUNDS_MS = (30.0, 50.0)  # the paper's default L, and this study's headline
+FAIR_POOLS = ("four tiers", "similar")
+# Arrivals per instance: the four-tier pool's as in `qos_cells`; the like 7B-class experts take 4 req/s each
+# before L = 30 ms binds (at 1.5, every system's time per token is ~23 ms and QoS is only quality).
+FAIR_RATE_PER_INSTANCE = {"similar": 4.0, "four tiers": RATE_PER_INSTANCE}
+LEARNED = ("qos", "qos-rl", *FAIR_ACTORS)
+BASELINES_RL = ("baseline-rl", "baseline-rl-nodrop")
 
 
 def rate_for(n: int, per_instance: float = RATE_PER_INSTANCE) -> float:
     return per_instance * n
 
 
-def _cell(system: str, arrivals: ArrivalSpec, requests: int, bound_ms: float, names: tuple[str, ...]) -> Cell:
-    tags = {"instances": ",".join(names), "n": len(names), "tpot_slo_ms": bound_ms}
-    common = dict(arrivals=arrivals, requests=requests, tpot_slo_s=bound_ms / 1000)
+def _cell(system: str, arrivals: ArrivalSpec, requests: int, bound_ms: float, names: tuple[str, ...],
+          tags: dict | None = None, actors: dict[str, dict] | None = None) -> Cell:
+    tags = tags or {"instances": ",".join(names), "n": len(names), "tpot_slo_ms": bound_ms}
+    common: dict[str, Any] = dict(arrivals=arrivals, requests=requests, tpot_slo_s=bound_ms / 1000)
     if system in ("qos", "qos-rl"):
         return Cell(system, system, CellSpec(system, **common), tags=tags)
+    if actors and system in actors:  # another actor in the qos-rl policy
+        return Cell(system, system, CellSpec("qos-rl", **common), (("qos_rl", actors[system]),),
+                    tags={**tags, "actor": actors[system]["actor"]})
     if system in ("round_robin", "shortest_queue"):
         return Cell("passthrough", system, CellSpec(f"passthrough+{system}", **common), tags=tags)
     weights = RB_WEIGHTS["q=1" if system == "quality_only" else "uniform"]
@@ -86,6 +122,62 @@ def qos_cells(requests: int, cfg=None, sizes: Sequence[int] = POOL_SIZES, bounds
 
 def qos_trace(requests: int) -> list[Cell]:
     return qos_cells(requests, sizes=(HEADLINE_N,), kinds=("azure",))
+
+
+def qos_fair(requests: int, cfg=None, actors: dict[str, dict] | None = None,
+             bounds_ms: Sequence[float] = FAIR_BOUNDS_MS, systems: Sequence[str] = FAIR_SYSTEMS,
+             pools: Sequence[str] = FAIR_POOLS) -> list[Cell]:
+    """Every system on the qos-similar pool and on the four-tier pool of HEADLINE_N, Poisson arrivals at
+    FAIR_RATE_PER_INSTANCE x N, at each bound (module docstring)."""
+    if cfg is None:
+        from gateway.config.store import default_config_path, load_config
+
+        cfg = load_config(default_config_path())
+    actors = FAIR_ACTORS if actors is None else actors
+    names = pool_names(cfg.instances, HEADLINE_N)
+    similar_sources = [next(i.name for i in cfg.instances if i.model == m) for m in dict.fromkeys(QOS_SIMILAR_ANSWERS)]
+    cells = []
+    for pool in pools:
+        arr = ArrivalSpec("poisson", rate_for(HEADLINE_N, FAIR_RATE_PER_INSTANCE[pool]))
+        for bound in bounds_ms:
+            # Every cell carries `instances` (write_sweep's per-seed file takes the first row's columns): a
+            # similar-pool cell names the instances whose answers its experts give, which hold the columns
+            # qos_similar reads, before its `pool` replaces them.
+            place = ({"instances": ",".join(similar_sources), "pool": "qos-similar"} if pool == "similar"
+                     else {"instances": ",".join(names)})
+            tags = {**place, "pool_kind": pool, "n": HEADLINE_N, "tpot_slo_ms": bound}
+            cells += [_cell(s, arr, requests, bound, names, tags, actors) for s in systems]
+    return cells
+
+
+def fair_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    """Per pool and bound: each QoS policy against Baseline RL (relative too, as the paper reports it) and
+    against every heuristic baseline; the two qos-rl actors against the heuristic they are measured by."""
+    settings = dict.fromkeys((c.tags["pool_kind"], c.tags["tpot_slo_ms"]) for c in cells)
+    present = {c.system if c.system in LEARNED else c.label for c in cells}
+    pairs = []
+    for pool, bound in settings:
+        at = {"pool_kind": pool, "tpot_slo_ms": bound}
+
+        def side(name: str, at: dict = at) -> dict:
+            return {"system" if name in LEARNED else "label": name, **at}
+
+        where = f"{pool}, L={bound:g} ms"
+        for mine in ("qos", "qos-rl", "qos-rl-scratch"):
+            if mine not in present:
+                continue
+            for other in (*BASELINES_RL, "round_robin", "shortest_queue", "quality only (1, 0, 0)", "uniform"):
+                if other in present:
+                    pairs.append(Pair(f"{mine} vs {other}, {where}", side(mine), side(other), ("qos", "quality"),
+                                      relative=other in BASELINES_RL))
+        for mine in ("qos-rl", "qos-rl-scratch"):
+            if mine in present and "qos" in present:
+                pairs.append(Pair(f"{mine} vs qos, {where}", side(mine), side("qos"), ("qos", "quality")))
+        for base in BASELINES_RL:
+            if base in present and "shortest_queue" in present:
+                pairs.append(Pair(f"{base} vs shortest_queue, {where}", side(base), side("shortest_queue"),
+                                  ("qos", "quality")))
+    return pairs
 
 
 def qos_pairs(cells: Sequence[Cell]) -> list[Pair]:

@@ -190,6 +190,40 @@ def frontier_pairs(cells: Sequence[Cell]) -> list[Pair]:
     return pairs
 
 
+# The rates the paper's BEST-Route comparisons quote: 12 (the quality ceiling) and 24-30 (the load gap).
+BEST_ROUTE_CURVE = (12, 24, 30)
+
+
+def best_route_cells(n: int, rates: Sequence[float] = FULL_RATES,
+                     curve: Sequence[float] = BEST_ROUTE_CURVE) -> list[Cell]:
+    """The frontier's BEST-Route cells and the RouteBalance cells they are compared with (the quality preset at
+    `rates`, uniform at every rate of `curve`), to rerun on their own when BEST-Route changes. Round-robin
+    dispatch only: shortest-queue routes the same (the router picks the model) and its frontier cells are
+    within 1% of round robin's E2E."""
+    keep = {("quality", r) for r in rates} | {("uniform", r) for r in curve}
+    return [c for c in frontier(n, rates, curve)
+            if (c.system == "best_route" and not c.label.endswith("+shortest_queue"))
+            or (c.system == "routebalance" and (c.label, c.spec.arrivals.rate) in keep)]
+
+
+def best_route_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    """frontier_pairs' comparisons with BEST-Route, on best_route_cells (which has no passthrough cells)."""
+    quality_rates = sorted({c.spec.arrivals.rate for c in cells if c.label == "quality"})
+    concurrent = tuple(c.label for c in cells if c.system == "best_route" and "serial" not in c.label)
+    br = f"t={HEADLINE_THRESHOLD}+round_robin"
+    pairs = [Pair(f"quality preset vs best BEST-Route @{rate:g}",
+                  {"system": "routebalance", "label": "quality", "rate": rate},
+                  {"system": "best_route", "label": concurrent, "rate": rate}) for rate in quality_rates]
+    for rate in sorted({c.spec.arrivals.rate for c in cells}):
+        pairs += [Pair(f"BEST-Route {br} vs uniform @{rate:g}",  # relative: how many times uniform's E2E, minus 1
+                       {"system": "best_route", "label": br, "rate": rate},
+                       {"system": "routebalance", "label": "uniform", "rate": rate}, relative=True),
+                  Pair(f"BEST-Route t={HEADLINE_THRESHOLD}: serial vs concurrent scoring @{rate:g}",
+                       {"system": "best_route", "label": f"t={HEADLINE_THRESHOLD} serial+round_robin", "rate": rate},
+                       {"system": "best_route", "label": br, "rate": rate})]
+    return pairs
+
+
 ARMS = (
     ("1 full objective", {"latency_term": "heads"}),
     ("2 w_lat=0, shortest-queue tie-break", {"latency_term": "off", "tiebreak": "shortest_queue"}),
@@ -593,8 +627,10 @@ def write_sweep(result: SweepResult, out_dir: Path, name: str) -> list[Path]:
         pairs_json = out_dir / f"{name}_pairs.json"
         pairs_json.write_text(json.dumps(result.pairs, indent=1, default=float))
         paths += [pairs_json, _write_csv(out_dir / f"{name}_pairs.csv", result.pairs)]
-    keep = [k for k in result.seed_rows[0] if k in (*_identity_keys(result.seed_rows[0]), "seed", *HEADLINE)]
-    paths.append(_write_csv(out_dir / f"{name}_seeds.csv", [{k: r[k] for k in keep} for r in result.seed_rows]))
+    # Every row's identity columns (cells may carry different tags), in first-seen order; blank where a row has none.
+    identity = list(dict.fromkeys(k for r in result.seed_rows for k in _identity_keys(r)))
+    keep = [*identity, *(k for k in ("seed", *HEADLINE) if k in result.seed_rows[0] and k not in identity)]
+    paths.append(_write_csv(out_dir / f"{name}_seeds.csv", [{k: r.get(k, "") for k in keep} for r in result.seed_rows]))
     return paths
 
 

@@ -17,10 +17,22 @@ centroids were fitted on (the training mix): half of the requests are of one
 kind (code, whose prompts gather around one centroid), the rest in the usual
 mix; the held-out prompts are drawn again (with repeats) in that proportion.
 A locality-only router (tau = 0) then sends half the traffic to one instance.
+
+moe-kind: the same pool in the kind-only world, where a prompt's experts
+depend on its kind alone (within = 0, concentration 1.3: the world the
+ELDR results had before within-kind structure was added), so a signature
+that sees the kind sees everything.
+
+"<pool>/count-idf" and "<pool>/domain" (for the pools above): the same pool,
+whose estimates carry each request's similarity to each instance's centroid
+under a signature the gateway cannot compute (sim/moe_signatures.py: the
+count-IDF signature of the simulated prefill's expert activations, or the
+true kind), with `[policies.eldr] signature = "given"` set for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -75,13 +87,63 @@ def moe_shift(cfg, evalset):
     return cfg, shifted(evalset)
 
 
-POOLS = {"W_A": w_a, "moe": moe, "moe-shift": moe_shift}
+KIND_ONLY = {"within": 0.0, "subdomains": 1, "concentration": 1.3}  # the MoE world before within-kind structure
+
+
+def moe_kind(cfg, evalset):
+    cfg, evalset = moe(cfg, evalset)
+    instances = tuple(dataclasses.replace(i, moe=dataclasses.replace(i.moe, **KIND_ONLY)) for i in cfg.instances)
+    return dataclasses.replace(cfg, instances=instances), evalset
+
+
+def with_signature(pool, signature: str):
+    """The pool, routed by ELDR on a signature computed outside the gateway (moe_signatures.py)."""
+    from gateway.lab.sim.moe_signatures import given
+
+    def made(cfg, evalset):
+        cfg, evalset = pool(cfg, evalset)
+        similarity = given(cfg, evalset, signature)
+        return cfg.with_options("eldr", signature="given"), dataclasses.replace(evalset, embeddings=similarity)
+
+    return made
+
+
+# qos-similar, the QoS paper's setting (several ~7B experts on like GPUs): six instances built like the 7B on
+# its A30 (one engine model, one speed, one price), each answering as one of the three smaller models do
+# (their labels, answer lengths and estimates), in turn: mean quality 0.40, 0.38 and 0.35, and per prompt
+# each is best about as often as the next. The four-tier pool's instances differ by 4x in speed.
+QOS_SIMILAR_ANSWERS = ("Qwen/Qwen2.5-14B-Instruct", SEVEN_B, THREE_B) * 2
+
+
+def qos_similar(cfg, evalset):
+    like = next((inst for inst in cfg.instances if inst.model == SEVEN_B), None)
+    if like is None:
+        raise ValueError(f"the qos-similar pool is built like a {SEVEN_B} instance; the config has none")
+    columns = []
+    for model in QOS_SIMILAR_ANSWERS:
+        k = next((k for k, inst in enumerate(cfg.instances) if inst.model == model), None)
+        if k is None:
+            raise ValueError(f"a qos-similar expert answers as {model!r}, which no instance of the config serves")
+        columns.append(k)
+    instances = tuple(dataclasses.replace(like, name=f"expert-{k}", url=f"{like.url}/e{k}",
+                                          model=f"{SEVEN_B}-expert-{k}") for k in range(len(columns)))
+    idx = np.array(columns, dtype=np.int64)
+    evalset = dataclasses.replace(evalset, label_score=evalset.label_score[:, idx],
+                                  label_length=evalset.label_length[:, idx], quality=evalset.quality[:, idx],
+                                  length=evalset.length[:, idx])
+    return dataclasses.replace(cfg, instances=instances), evalset
+
+
+POOLS = {"W_A": w_a, "moe": moe, "moe-shift": moe_shift, "moe-kind": moe_kind, "qos-similar": qos_similar}
 
 
 def named(name: str):
     """A pool by name, or the instances of a config TOML file (answering as the 72B does)."""
     if name in POOLS:
         return POOLS[name]
+    base, _, signature = name.rpartition("/")
+    if base in POOLS and signature in ("count-idf", "domain"):
+        return with_signature(POOLS[base], signature)
     if name.endswith(".toml") and Path(name).is_file():
         return from_file(name)
     raise ValueError(f"unknown pool {name!r} (known: {', '.join(POOLS)}, or a config .toml whose instances to use)")

@@ -9,22 +9,33 @@ as a client sending `routing.mode = "progressive"` would. Per request:
 - otherwise row r is the sketch: a request naming the largest tier (the
   highest-priced model), its prompt the sketch prompt, its answer the points
   the emulated model writes (workload/progressive.py: one point per 70
-  labelled answer tokens, 3 to 8);
+  labelled answer tokens, 3 to 8), parsed as the gateway parses them;
 - when the sketch ends, `candidates` expansions of each point arrive at once
   (rows past the client requests), candidate k naming the k-th cheapest
   model, each answering its model's labelled length over the point count;
-- each point keeps the candidate of highest labelled quality (the emulator's
-  confidence, ln(0.45 + 0.5 q) per token, ranks them so), and the request
-  ends when every point's candidates have ended (the gateway waits for all of
-  a point's candidates). Its first token is point 1's, as streamed.
+- each point keeps the candidate the gateway would keep: the highest Eq. 3
+  confidence (core/progressive.py `confidence_score`) on what the emulator
+  would send: its mean token logprob (emulator/logprobs.py: a per-model bias,
+  noise, and a correlation of 0.3 with the labelled quality), its length, and
+  ROUGE-L of its text (the emulator's filler) against the point. The noise is
+  drawn as the default emulator ([emulator] seed 0) draws it for a request
+  without a seed, so it is fixed per prompt, point and model across arrival
+  seeds. The request ends when every point's candidates have ended (the
+  gateway waits for all of a point's candidates). Its first token is point
+  1's, as streamed.
 
 Every call is paid (the answer's cost is the sketch's and every candidate's),
 every call goes through the same scheduling loop as any request, and none
-carries a budget (progressive cells refuse budget shares). Quality is the
-open question PICE's judges answered and ours cannot: an outcome's `quality`
-is the largest tier's labelled score (the sketch carries the answer, the
-paper's finding) and `quality_floor` the chosen expansions' mean score (the
-small models decide it).
+carries a budget (progressive cells refuse budget shares).
+
+Quality is what PICE's judges measured and ours cannot (the text is filler).
+A progressive outcome's `quality` is the mean, over its points, of the
+labelled score of the model whose expansion the confidence kept (on the whole
+question: the small models decide the answer); a point with no expansion
+keeps the sketch's words and the largest tier's score. `quality_floor` holds
+the same mean under an oracle pick (each point's candidate of highest label):
+what a perfect confidence would give. The cloud-only cell's `quality` is the
+largest tier's score on the same prompts.
 
 Prompt sizes: the sketch prompt is the question plus SKETCH_HEAD; an
 expansion's is the question, EXPANSION_HEAD and the skeleton (its tokens plus
@@ -39,12 +50,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.core.progressive import FallbackRule, ProgressiveLimits, fallback_reason, tiers
-from gateway.core.progressive_prompts import EXPANSION_HEAD, QUESTION_MARK, SKELETON_MARK, SKETCH_HEAD, sketch_prompt
-from gateway.lab.workload.progressive import expansion_tokens, sketch_points, sketch_tokens
+from gateway.core.progressive import (
+    FallbackRule,
+    ProgressiveLimits,
+    best_of,
+    confidence_score,
+    fallback_reason,
+    parse_points,
+    tiers,
+)
+from gateway.core.progressive_prompts import (
+    EXPANSION_HEAD,
+    QUESTION_MARK,
+    SKELETON_MARK,
+    SKETCH_HEAD,
+    expansion_prompt,
+    sketch_prompt,
+)
+from gateway.lab.emulator.logprobs import answer_mean_logprob
+from gateway.lab.emulator.outputs import filler_text, sketch_pieces
+from gateway.lab.workload.progressive import expansion_tokens, sketch_points
 from gateway.records import prompt_key
 
 PROGRESSIVE = "progressive"
+EMULATOR_SEED = 0  # the default [emulator] seed: the confidence noise the default emulator draws
 
 
 @functools.cache
@@ -78,6 +107,8 @@ class ProgressivePlan:
     sketch_tokens: int
     expand_prompt_tokens: int
     expansions: tuple[Expansion, ...]
+    point_texts: tuple[str, ...] = ()  # the sketch's points as the gateway parses them
+    expansion_prompts: tuple[str, ...] = ()  # per point, the expansion prompt the gateway sends
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,19 +147,23 @@ def plan_all(prompts, prompt_tokens: np.ndarray, label_length: np.ndarray, predi
         if reason is not None:
             modes.append(reason.value)
             continue
-        points = sketch_points(int(label_length[r, column]), limits.max_points)
+        written = sketch_points(int(label_length[r, column]), limits.max_points)
+        seed = int(prompt_key(sketch_prompt(prompts[r], limits.max_points))[:8], 16)  # the emulator's text seed
+        pieces = sketch_pieces(written, seed)[:limits.sketch_max_tokens]  # the emulator's sketch, as sent
+        sketch = len(pieces)
+        texts = tuple(parse_points("".join(pieces), limits.max_points))  # what the gateway reads of it
+        points = len(texts)
         if points < limits.min_points:
             modes.append("few_points")
             continue
-        seed = int(prompt_key(sketch_prompt(prompts[r], limits.max_points))[:8], 16)  # the emulator's text seed
-        sketch = min(sketch_tokens(points, seed), limits.sketch_max_tokens)
         expansions = []
         for p in range(1, points + 1):
             for k in range(limits.candidates):
                 expansions.append(Expansion(len(parent), p, k, small[k % len(small)]))
                 parent.append(r)
         plans[r] = ProgressivePlan(r, points, int(prompt_tokens[r]) + sketch_head, sketch,
-                        int(prompt_tokens[r]) + expand_head + sketch + 2 * points, tuple(expansions))
+                                   int(prompt_tokens[r]) + expand_head + sketch + 2 * points, tuple(expansions),
+                                   texts, tuple(expansion_prompt(prompts[r], texts, p) for p in range(1, points + 1)))
         modes.append(PROGRESSIVE)
     return ProgressivePlans(large, tuple(small), tuple(modes), plans, np.array(parent, dtype=np.int64), limits)
 
@@ -150,6 +185,22 @@ def row_lengths(plans: ProgressivePlans, label_length: np.ndarray, predicted: np
     return lengths, guesses
 
 
+def kept(plan: ProgressivePlan, point: int, served: list[tuple[Expansion, object]],
+         limits: ProgressiveLimits) -> int:
+    """Index in `served` ((expansion, outcome) of point `point`'s candidates that were served) of the one the
+    gateway keeps: the highest Eq. 3 confidence on what the emulator would send each (its mean token
+    logprob, its length and its filler text), ties to the shorter, then the first."""
+    prompt, text_point = plan.expansion_prompts[point - 1], plan.point_texts[point - 1]
+    text_seed = int(prompt_key(prompt)[:8], 16)  # the emulator's text seed for this prompt
+    scores = []
+    for e, o in served:
+        mean = answer_mean_logprob(model=e.model, quality=o.quality, prompt=prompt, emulator_seed=EMULATOR_SEED,
+                                   request_seed=None)
+        scores.append(confidence_score(mean, o.completion_tokens, text_point,
+                                       filler_text(text_seed, 0, o.completion_tokens), limits.confidence))
+    return best_of(scores, [o.completion_tokens for _, o in served])
+
+
 def fold(plans: ProgressivePlans, outcomes: list) -> list:
     """The client requests' outcomes, each progressive one made of its sketch's and expansions' (see the
     module docstring); `outcomes` holds every row's, costed."""
@@ -161,24 +212,27 @@ def fold(plans: ProgressivePlans, outcomes: list) -> list:
         out = folded[r]
         if out.instance < 0:
             continue  # the sketch was refused: so is the request
-        sketch_tokens, sketch_finished = out.completion_tokens, out.finished
+        sketch_tokens, sketch_finished, sketch_quality = out.completion_tokens, out.finished, out.quality
         done: list[float] = []
-        tokens, scores = 0, []
+        tokens, chosen, oracle = 0, [], []
         for p in range(1, plan.points + 1):
-            rows = [outcomes[e.row] for e in plan.expansions if e.point == p]
-            served = [o for o in rows if o.instance >= 0]
-            out.cost_usd += sum(o.cost_usd for o in rows)
+            rows = [(e, outcomes[e.row]) for e in plan.expansions if e.point == p]
+            served = [(e, o) for e, o in rows if o.instance >= 0]
+            out.cost_usd += sum(o.cost_usd for _, o in rows)
             if not served:  # the point keeps the sketch's words
                 done.append(sketch_finished)
                 tokens += max(1, sketch_tokens // plan.points)
-                scores.append(out.quality)
+                chosen.append(sketch_quality)
+                oracle.append(sketch_quality)
                 continue
-            best = max(served, key=lambda o: (o.quality, -o.completion_tokens))
-            done.append(max(o.finished for o in served))
-            tokens += best.completion_tokens
-            scores.append(best.quality)
+            pick = served[kept(plan, p, served, plans.limits)][1]
+            done.append(max(o.finished for _, o in served))
+            tokens += pick.completion_tokens
+            chosen.append(pick.quality)
+            oracle.append(max(o.quality for _, o in served))
         streamed = np.maximum.accumulate(done)  # a point is sent once it and every point before it are done
         out.first_token, out.finished = float(streamed[0]), float(streamed[-1])
         out.completion_tokens = tokens
-        out.quality_floor = float(np.mean(scores)) if scores else math.nan
+        out.quality = float(np.mean(chosen)) if chosen else sketch_quality
+        out.quality_floor = float(np.mean(oracle)) if oracle else math.nan
     return folded

@@ -10,7 +10,7 @@ What this driver adds is virtual time and the instances: `engine.Engine`,
 answering each prompt at its labelled length for the model that serves it
 (instances sharing a `gpu_id` run as one `engine.shared_gpu.SharedGpu`,
 which swaps their models in and out; a mixture-of-experts instance routes
-each prompt's tokens to the experts of its kind, engine/moe.py).
+each prompt's tokens to the experts of its kind and subdomain, engine/moe.py).
 Estimates come from the evaluation set's cache (the estimators are
 deterministic per prompt, so computing them once changes no decision).
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from gateway.core.budget import per_token, predicted_cost, price_arrays
 from gateway.core.engine.engine import Engine
+from gateway.core.engine.moe import expert_domain
 from gateway.core.engine.profiles import load_seconds
 from gateway.core.engine.shared_gpu import SharedGpu, gpu_groups
 from gateway.core.loop import SchedulingLoop
@@ -314,6 +315,11 @@ class Simulation:
         own = self.parent[rows]
         return Estimates(self.ev.quality[own], self.predicted[rows], self.ev.embeddings[own])
 
+    def expert_domain(self, rid: int) -> str | None:
+        """What an MoE instance routes the request's tokens by: its prompt's kind and text (engine/moe.py)."""
+        row = int(self.parent[rid])
+        return expert_domain(self.ev.kind(row), self.ev.prompts[row])
+
     def advance(self, t: float) -> None:
         for gpu in self.gpus:
             for k, report in gpu.advance(t).items():
@@ -434,7 +440,7 @@ class Simulation:
                 if held_on is not None:
                     self.unpark(rid, held_on)
                 seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
-                                     output_tokens=label, now=t, domain=self.ev.kind(int(self.parent[rid])))
+                                     output_tokens=label, now=t, domain=self.expert_domain(rid))
             rep.in_flight[rid] = self.sequences[rid] = (i, seq)
             if self.plans and rid in self.plans.plans:
                 self.sketching.add(rid)

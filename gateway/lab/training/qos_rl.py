@@ -35,10 +35,16 @@ size two CPU cores train in minutes:
   `qos` heuristic's decisions, which the actor first imitates while the
   critics learn; then SAC fine-tunes it. From a random actor SAC reached
   0.375 evaluation QoS in 200 s against the heuristic's 0.398; imitation
-  starts it at the heuristic's level. `demo_episodes=0` is SAC from scratch.
+  starts it at the heuristic's level. `demo_episodes=0` is SAC from scratch
+  (`--demo-episodes 0`; docs/results/qos.md has such a run's curve).
+- The paper's Baseline RL (`baseline_settings`, `--baseline-rl`): the same
+  SAC over the expert-level features alone (qos_baseline.py) with the
+  QoS completed since each decision as its reward; its actor takes the same
+  inputs, so it is exported and served as a `qos-rl` actor.
 
 Episodes are simulated cells (gateway/lab/sim/simulator.py `run_cell`) on pools
-of 3 to 13 instances drawn from the config's, Poisson or gamma-bursty
+of 3 to 13 instances drawn from the config's (or, `similar_share` of them,
+the qos-similar pool of like experts, lab/sim/pools.py), Poisson or gamma-bursty
 arrivals, a range of rates per instance and bounds L; the policy object runs
 exactly as it serves (gateway/policies/qos/policy.py), with a torch
 actor in place of the ONNX one and an observer that records its decisions
@@ -73,7 +79,7 @@ from gateway.core.request import Completion, RouteRequest, Ticket
 from gateway.lab.sim.arrivals import ArrivalSpec
 from gateway.lab.sim.evalset import EvalSet, subset
 from gateway.lab.sim.metrics import summarise
-from gateway.lab.sim.pools import GAMMA_SHAPE, pool_names
+from gateway.lab.sim.pools import GAMMA_SHAPE, pool_names, qos_similar
 from gateway.lab.sim.simulator import CellSpec, run_cell
 from gateway.policies import registry
 from gateway.policies.qos.impact import Assessment
@@ -134,12 +140,27 @@ class TrainSettings:
     sizes: tuple[int, int] = (3, 13)  # pool sizes drawn per episode
     rates_per_instance: tuple[float, float] = (0.5, 6.0)
     bounds_ms: tuple[float, ...] = (25.0, 30.0, 40.0, 50.0, 65.0, 80.0, 100.0)
+    similar_share: float = 0.0  # share of episodes on the qos-similar pool (lab/sim/pools.py) instead
+    # The networks: "dsa", the dynamic state abstraction (this module's StateEncoder), or "expert", the
+    # paper's Baseline RL (only the expert-level features; qos_baseline.py).
+    network: str = "dsa"
+    drop: bool = True  # False masks the drop action in training and evaluation: every request is placed
     threads: int = 1  # tiny batches: a second thread costs more in handoffs than it brings
 
     def __post_init__(self):
+        if self.network not in ("dsa", "expert"):
+            raise ValueError(f"network 'dsa' or 'expert' ({self.network!r})")
         if self.gain not in ("eq16", "credited") or self.penalty not in ("eq16", "marginal"):
             raise ValueError(f"gain 'eq16' or 'credited' ({self.gain!r}), penalty 'eq16' or 'marginal' "
                              f"({self.penalty!r})")
+
+
+def baseline_settings(**changes) -> TrainSettings:
+    """The paper's Baseline RL (qos_baseline.py): expert-level features, the QoS completed since each decision
+    as the reward (no impact penalty), SAC from a random actor. Its reward reaches an action only through
+    the completions that follow it, so the discount is long (0.99, as in SAC's own paper), not 0.5."""
+    return TrainSettings(**{"network": "expert", "gain": "eq16", "penalty": "eq16", "penalty_weight": 0.0,
+                            "gamma": 0.99, "demo_episodes": 0, "hidden": 64, **changes})
 
 
 # ---- the networks -----------------------------------------------------------------------------
@@ -337,9 +358,14 @@ class Sac:
 
     def __init__(self, s: TrainSettings):
         self.s = s
-        self.actor = Actor(s.hidden)
-        self.critic = TwinCritic(s.hidden)
-        self.critic_target = TwinCritic(s.hidden)
+        if s.network == "expert":
+            from gateway.lab.training.qos_baseline import ExpertActor, ExpertTwinCritic
+
+            self.actor: nn.Module = ExpertActor(s.hidden)
+            self.critic: nn.Module = ExpertTwinCritic(s.hidden)
+            self.critic_target: nn.Module = ExpertTwinCritic(s.hidden)
+        else:
+            self.actor, self.critic, self.critic_target = Actor(s.hidden), TwinCritic(s.hidden), TwinCritic(s.hidden)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)
         self.log_alpha = torch.zeros(1, requires_grad=True)
@@ -409,11 +435,13 @@ class _Slot:
     observer: Recorder | None = None
     sample: bool = True  # explore (training episodes) or take the mode (evaluation)
     seed: int = 0  # the sampling seed of the next policy built
+    drop: bool = True  # the drop action is open (TrainSettings.drop)
 
 
 def _register(slot: _Slot) -> None:
     def build(context: PolicyContext) -> QosRl:
-        options = dataclasses.replace(context.options("qos_rl"), sample=slot.sample, seed=slot.seed)
+        options = dataclasses.replace(context.options("qos_rl"), sample=slot.sample, seed=slot.seed,
+                                      drop=slot.drop)
         policy = QosRl(options, slot.actor, slot.observer)  # type: ignore[arg-type]
         policy.name = TRAIN_POLICY
         return policy
@@ -442,9 +470,13 @@ def window(ev: EvalSet, start: int, n: int) -> EvalSet:
 
 
 def _episode_cell(rng: np.random.Generator, cfg, ev: EvalSet, s: TrainSettings):
-    n = int(rng.integers(s.sizes[0], min(s.sizes[1], len(cfg.instances)) + 1))
-    names = [cfg.instances[k].name for k in sorted(rng.choice(len(cfg.instances), n, replace=False))]
-    pool_cfg, pool_ev = subset(cfg, ev, names)
+    if s.similar_share and rng.random() < s.similar_share:
+        pool_cfg, pool_ev = qos_similar(cfg, ev)
+        n = len(pool_cfg.instances)
+    else:
+        n = int(rng.integers(s.sizes[0], min(s.sizes[1], len(cfg.instances)) + 1))
+        names = [cfg.instances[k].name for k in sorted(rng.choice(len(cfg.instances), n, replace=False))]
+        pool_cfg, pool_ev = subset(cfg, ev, names)
     start = int(rng.integers(0, s.train_prompts - s.episode_requests + 1))
     rate = float(rng.uniform(*s.rates_per_instance)) * n
     kind = "gamma" if rng.random() < 0.5 else "poisson"
@@ -499,6 +531,7 @@ def train(cfg, evalset: EvalSet, estimators, settings: TrainSettings = TrainSett
     sac = Sac(s)
     replay = Replay(s.replay, s.seed)
     slot = _Slot()
+    slot.drop = s.drop
     _register(slot)
     eval_cells = _eval_cells(cfg, evalset, s)
     try:
@@ -574,6 +607,7 @@ def train(cfg, evalset: EvalSet, estimators, settings: TrainSettings = TrainSett
     sac.actor.load_state_dict(best[1])
     meta = {
         "layout": layout(),
+        "network": s.network,
         "seed": s.seed,
         "command": command,
         "training_s": round(elapsed, 1),
@@ -619,7 +653,7 @@ def example_inputs(batch: int = 2) -> dict[str, np.ndarray]:
             "action_mask": np.ones((batch, 1 + N_MAX), np.float32)}
 
 
-def export(actor: Actor, path: Path, meta: dict, check: Sequence[dict[str, np.ndarray]] = ()) -> None:
+def export(actor: nn.Module, path: Path, meta: dict, check: Sequence[dict[str, np.ndarray]] = ()) -> None:
     """actor.onnx (batch axis dynamic) and its JSON sidecar; checks onnxruntime agrees with torch."""
     import onnxruntime as ort
 
@@ -695,3 +729,46 @@ def main(cfg, settings: TrainSettings, out_dir: Path, command: str, prompts: int
               flush=True)
 
     return train(cfg, ev, est, settings, out_dir, command, report)
+
+
+def compare_curves(runs: Mapping[str, Path], out: Path) -> list[Path]:
+    """Several runs' learning_curve.csv side by side: OUT.csv (a `run` column first) and OUT.png (greedy
+    evaluation QoS against the decisions each had recorded, the qos heuristic's as a line), for the docs.
+
+        python -c "from pathlib import Path; from gateway.lab.training.qos_rl import compare_curves; \\
+            r = Path('loadtest/results'); compare_curves({'qos-rl from scratch': r / 'qos_rl_scratch', \\
+            'Baseline RL': r / 'qos_baseline_rl', 'Baseline RL, no drop': r / 'qos_baseline_rl_nodrop', \\
+            'qos-rl cloned (shipped)': Path('models/qos_rl')}, r / 'qos_learning')"
+
+    (docs/results/qos.md shows that figure.)
+    """
+    rows = []
+    for run, folder in runs.items():
+        with (folder / "learning_curve.csv").open(newline="") as f:
+            rows += [{"run": run, **r} for r in csv.DictReader(f)]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    path = out.with_suffix(".csv")
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [path]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for run in runs:
+        mine = [r for r in rows if r["run"] == run]
+        ax.plot([float(r["env_steps"]) for r in mine], [float(r["eval_qos"]) for r in mine], marker=".", label=run)
+    ax.axhline(float(rows[0]["heuristic_eval_qos"]), color="grey", linestyle="--", label="qos heuristic")
+    ax.set_xlabel("decisions recorded")
+    ax.set_ylabel("mean QoS, evaluation cells (greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [path, png]

@@ -24,11 +24,6 @@ def sketch_words(point: int, seed: int) -> int:
     return 3 + (seed + 5 * point) % 4
 
 
-def sketch_tokens(points: int, seed: int) -> int:
-    """Tokens of a sketch of `points` points: each point's "N." and its words."""
-    return sum(1 + sketch_words(j, seed) for j in range(1, points + 1))
-
-
 def expansion_tokens(answer_tokens: int, points: int) -> int:
     """Tokens of one point's expansion: the model's answer length shared over the skeleton's points."""
     return max(MIN_EXPANSION_TOKENS, round(answer_tokens / points))

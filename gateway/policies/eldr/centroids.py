@@ -86,6 +86,26 @@ def balanced_kmeans(x: np.ndarray, k: int, *, seed: int = 0, max_rounds: int = 5
     return centroids, labels
 
 
+def plain_kmeans(x: np.ndarray, k: int, *, seed: int = 0, max_rounds: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """(centroids, labels) of plain spherical k-means (Lloyd's: every point to its nearest centroid, no cap on
+    a cluster's size), from the same k-means++ seeds: the paper's vanilla K-means, the baseline balancing
+    is measured against."""
+    x = _unit(np.asarray(x, dtype=np.float64))
+    if not 1 <= k <= len(x):
+        raise ValueError(f"need 1 <= k <= points ({len(x)}), got k={k}")
+    centroids = kmeans_plus_plus(x, k, np.random.default_rng(seed))
+    labels = np.full(len(x), -1)
+    for _ in range(max_rounds):
+        new = (x @ centroids.T).argmax(axis=1)
+        if np.array_equal(new, labels):
+            break
+        labels = new
+        sums = np.zeros_like(centroids)
+        np.add.at(sums, labels, x)
+        centroids = np.where(np.linalg.norm(sums, axis=1, keepdims=True) > 0, _unit(sums), centroids)
+    return centroids, labels
+
+
 @dataclass(frozen=True)
 class Centroids:
     """One fit: the centroids, how many calibration prompts each took, and what it was fitted from."""

@@ -5,12 +5,20 @@ requests of one domain activate overlapping experts: an instance whose batch
 holds one domain decodes faster than one whose batch is mixed. ELDR routes
 each request near requests like it, without giving up on load:
 
-- Signatures: the prompt's MiniLM embedding (the gateway's estimators compute
-  it for every batch), not the paper's prefill expert activations.
-- Centroids: one per instance, by balanced k-means over the training
-  prompts' embeddings (each centroid takes at most ceil(N/K) of the N
-  calibration prompts; policies/eldr/centroids.py). Each model's instances get
-  the K centroids of their own count K, in config order.
+- Signatures (`signature`): "embedding", the prompt's MiniLM embedding (the
+  gateway's estimators compute it for every batch; the live gateway routes
+  before any prefill, so it has no expert activations to read); or "given":
+  the estimates carry each request's similarity to each instance's centroid,
+  computed outside the policy from a signature the gateway cannot see. The
+  simulator gives these for the paper's count-IDF signature of the simulated
+  prefill's expert activations (signature.py; sim/moe_signatures.py) and for
+  the domain oracle (a one-hot of the true kind).
+- Centroids ("embedding"): one per instance, by balanced k-means over the
+  training prompts' embeddings (each centroid takes at most ceil(N/K) of the
+  N calibration prompts; policies/eldr/centroids.py), or plain k-means
+  (`balanced = false`: the paper's vanilla K-means, no cap on a cluster).
+  Each model's instances get the K centroids of their own count K, in config
+  order.
 - The tau band: a request's similarity to each candidate's centroid is its
   cosine, floored at 0 (so similarities lie in [0, 1], as the paper's count
   signatures do); among the candidates within `tau` of the best similarity,
@@ -27,15 +35,16 @@ balancers it is compared with; give it a pool (or a `model`) of one MoE tier.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from gateway.config_schema import Section, option, section
+from gateway.config_schema import ConfigError, Section, option, section
 from gateway.core.budget import predicted_cost
 from gateway.core.policy import LIGHT_COMPUTE_S, Policy, PolicyContext, PolicyEntry
-from gateway.core.request import Decision, Estimates, RouteRequest
+from gateway.core.request import Decision, Estimates, Refusal, RouteRequest
 from gateway.core.view import PoolView
+from gateway.policies.eldr.centroids import calibration_sample, plain_kmeans
 
 
 @section
@@ -45,6 +54,14 @@ class EldrOptions(Section):
     tau: float = option(0.1, ge=0)  # the band: within tau of the best centroid similarity (0: top-1; 1: JSQ)
     calibration: int = option(1000, ge=2)  # training prompts the centroids are fitted on (the paper's 1,000)
     seed: int = 0  # k-means seeding and the calibration sample; tie-breaks
+    # "embedding": MiniLM prompt embeddings against fitted centroids; "given": the estimates already hold each
+    # request's similarity to each instance's centroid (the simulator's count-IDF and domain-oracle signatures)
+    signature: Literal["embedding", "given"] = "embedding"
+    balanced: bool = True  # balanced k-means (the paper's); false: plain k-means (its vanilla K-means)
+
+    def _validate(self) -> None:
+        if self.signature not in ("embedding", "given"):
+            raise ConfigError(f"must be 'embedding' or 'given', got {self.signature!r}", "signature")
 
 
 def band_order(similarity: np.ndarray, load: np.ndarray, relative_load: np.ndarray, tau: float,
@@ -72,12 +89,25 @@ class Eldr(Policy):
         self.rng = np.random.default_rng(options.seed)
 
     def similarity(self, embeddings: np.ndarray) -> np.ndarray:
-        """(n, instances) cosine of each prompt to each instance's centroid, floored at 0."""
-        return np.clip(np.asarray(embeddings, dtype=np.float32) @ self.centroids.T, 0.0, 1.0)
+        """(n, instances) cosine of each prompt to each instance's centroid, floored at 0 ("given": the
+        estimates' own columns, one per instance)."""
+        x = np.asarray(embeddings, dtype=np.float32)
+        if self.options.signature == "given":
+            if x.shape[1] != len(self.centroids):
+                raise ValueError(f"eldr with given similarities needs one column per instance ({len(self.centroids)}), "
+                                 f"got {x.shape[1]}")
+            return np.clip(x, 0.0, 1.0)
+        return np.clip(x @ self.centroids.T, 0.0, 1.0)
 
     def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
         if estimates is None or estimates.embeddings is None:
             raise ValueError("eldr needs the batch's prompt embeddings")
+        if self.options.signature == "given" and estimates.embeddings.shape[1] != len(self.centroids):
+            # a live gateway configured with the simulator's signature: refuse clearly, never fail the batch
+            refusal = Refusal(503, 'eldr with [policies.eldr] signature = "given" routes only in the simulator, '
+                                   'which gives each request\'s similarities; set signature = "embedding"',
+                              "policy_unavailable")
+            return [Decision((), refused=refusal) for _ in batch]
         sims = self.similarity(estimates.embeddings)
         decisions = []
         for r, req in enumerate(batch):
@@ -125,9 +155,25 @@ def build(context: PolicyContext) -> Eldr:
         raise ValueError("eldr needs the estimators (the prompt embeddings and the training prompts its centroids "
                          "are fitted on): run `routebalance train`")
     options = context.options("eldr")
-    centroids = instance_centroids(context.config.instances,
-                                   lambda k: est.eldr_centroids(k, options.calibration, options.seed))
-    return Eldr(options, centroids)
+    if options.signature == "given":  # the similarities come with the estimates: no centroids of its own
+        return Eldr(options, np.eye(len(context.config.instances), dtype=np.float32))
+    if options.balanced:
+        def fit(k: int) -> np.ndarray:
+            return est.eldr_centroids(k, options.calibration, options.seed)
+    else:
+        training = training_embeddings(est)
+
+        def fit(k: int) -> np.ndarray:
+            sample = training[calibration_sample(training, options.calibration, options.seed)]
+            return plain_kmeans(sample, k, seed=options.seed)[0].astype(np.float32)
+    return Eldr(options, instance_centroids(context.config.instances, fit))
+
+
+def training_embeddings(est) -> np.ndarray:
+    """The training prompts' embeddings (the KNN index's vectors), which plain k-means is fitted on (balanced
+    fits are stored by the estimators; a plain fit is quick enough to make on each build)."""
+    index = est.knn.index
+    return index.reconstruct_n(0, index.ntotal)
 
 
 OPTIONS = {"eldr": EldrOptions}

@@ -1,0 +1,45 @@
+"""The BEST-Route reruns: the frontier's BEST-Route cells with the RouteBalance cells they are paired with,
+and the real-label world's, each pair naming cells the sweep has."""
+
+from __future__ import annotations
+
+from gateway.lab.experiments import best_route_labelled, catalog, labelled_sweep, sweeps
+
+
+def matches(cell, side: dict) -> bool:
+    row = {"system": cell.system, "label": cell.label, "rate": cell.spec.arrivals.rate, **cell.tags}
+    return all(row.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in side.items())
+
+
+def test_the_frontier_rerun_is_the_frontiers_own_best_route_cells_and_their_partners():
+    cells = catalog.SWEEPS["best_route"](100)
+    frontier = {(c.system, c.label, c.spec.arrivals.rate): c for c in sweeps.frontier(100)}
+    for c in cells:  # the same cells as the frontier's, not look-alikes
+        assert frontier[(c.system, c.label, c.spec.arrivals.rate)] == c
+    br = [c for c in cells if c.system == "best_route"]
+    assert {c.label for c in br if c.spec.arrivals.rate == 12} == {
+        *(f"t={t}+round_robin" for t in sweeps.BEST_ROUTE_THRESHOLDS), "t=0.5 serial+round_robin"}
+    assert {c.spec.arrivals.rate for c in br} == set(sweeps.BEST_ROUTE_CURVE)
+    assert {c.system for c in cells} == {"best_route", "routebalance"}
+
+
+def test_every_pair_of_the_reruns_names_cells_they_have():
+    for name, n in (("best_route", 100), ("best_route_labelled", 100)):
+        cells = catalog.SWEEPS[name](n)
+        pairs = catalog.PAIRS[name](cells)
+        assert pairs
+        for p in pairs:
+            a = [c for c in cells if matches(c, p.a)]
+            b = [c for c in cells if matches(c, p.b)]
+            assert len(a) == 1 and b, p.name  # side B may be "the best of several" (a tuple of labels)
+
+
+def test_the_real_label_rerun_replays_the_labelled_sweeps_cells():
+    mine = catalog.SWEEPS["best_route_labelled"](labelled_sweep.REQUESTS)
+    theirs = labelled_sweep.cells(labelled_sweep.REQUESTS, 18.95)
+    key = {(c.system, c.label, c.tags["load"]): c.spec for c in theirs}
+    assert [(c.system, c.tags["load"]) for c in mine] == [
+        (s, load) for load in labelled_sweep.LOADS for s in ("routebalance", "best_route")]
+    for c in mine:
+        assert key[(c.system, c.label, c.tags["load"])] == c.spec
+    assert catalog.REQUESTS["best_route_labelled"] == labelled_sweep.REQUESTS == best_route_labelled.REQUESTS
