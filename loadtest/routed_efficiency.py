@@ -48,7 +48,8 @@ import aiohttp
 import httpx
 import numpy as np
 import psutil
-from progressive_compare import held_out  # loadtest/, this script's directory
+from peers import every_worker  # loadtest/, this script's directory
+from progressive_compare import held_out
 from residual import histograms, summary
 
 from gateway.config.store import default_config_path, load_config
@@ -261,19 +262,6 @@ def report(name: str, row: dict, rate: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def wait_workers(root: str, workers: int, timeout_s: float = 180.0) -> None:
-    """Until every worker answers on the port (each new connection reaches one the kernel picks)."""
-    seen: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while workers > 1 and len(seen) < workers:
-        if time.monotonic() > deadline:
-            sys.exit(f"only workers {sorted(seen)} of {workers} answered within {timeout_s:.0f} s")
-        try:
-            seen.add(httpx.get(root + "/health", timeout=1).json()["worker"]["index"])
-        except (httpx.HTTPError, KeyError, ValueError):
-            time.sleep(0.2)
-
-
 def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, backends: list[int],
                 ports: list[int]) -> dict:
     """One gateway of `workers` processes (and its redis-server when more than one): every set through it."""
@@ -294,7 +282,7 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
         procs.append(gateway)
         root = f"http://127.0.0.1:{port}"
         wait_ready(root + "/health/ready", gateway)
-        wait_workers(root, workers)
+        every_worker(port, workers, timeout_s=180.0)
         cfg = load_config(config)
         embedder = Estimators.load(cfg).embedder
         results = {}

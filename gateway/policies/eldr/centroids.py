@@ -69,34 +69,27 @@ def balanced_assignment(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
 
 def balanced_kmeans(x: np.ndarray, k: int, *, seed: int = 0, max_rounds: int = 50) -> tuple[np.ndarray, np.ndarray]:
     """(centroids (k, d) of unit length, labels (n,)) of Hungarian-balanced spherical k-means (module docstring)."""
-    x = _unit(np.asarray(x, dtype=np.float64))
-    if not 1 <= k <= len(x):
-        raise ValueError(f"need 1 <= k <= points ({len(x)}), got k={k}")
-    centroids = kmeans_plus_plus(x, k, np.random.default_rng(seed))
-    labels = np.full(len(x), -1)
-    for _ in range(max_rounds):
-        new = balanced_assignment(x, centroids)
-        if np.array_equal(new, labels):
-            break
-        labels = new
-        sums = np.zeros_like(centroids)
-        np.add.at(sums, labels, x)
-        moved = _unit(sums)
-        centroids = np.where(np.linalg.norm(sums, axis=1, keepdims=True) > 0, moved, centroids)
-    return centroids, labels
+    return _spherical_kmeans(x, k, balanced_assignment, seed, max_rounds)
 
 
 def plain_kmeans(x: np.ndarray, k: int, *, seed: int = 0, max_rounds: int = 100) -> tuple[np.ndarray, np.ndarray]:
     """(centroids, labels) of plain spherical k-means (Lloyd's: every point to its nearest centroid, no cap on
     a cluster's size), from the same k-means++ seeds: the paper's vanilla K-means, the baseline balancing
     is measured against."""
+    return _spherical_kmeans(x, k, lambda points, centroids: (points @ centroids.T).argmax(axis=1), seed,
+                             max_rounds)
+
+
+def _spherical_kmeans(x: np.ndarray, k: int, assign, seed: int, max_rounds: int) -> tuple[np.ndarray, np.ndarray]:
+    """Spherical k-means from k-means++ seeds: `assign(points, centroids)` labels the points, each centroid
+    moves to its points' normalised mean (an empty one stays), until the labels repeat."""
     x = _unit(np.asarray(x, dtype=np.float64))
     if not 1 <= k <= len(x):
         raise ValueError(f"need 1 <= k <= points ({len(x)}), got k={k}")
     centroids = kmeans_plus_plus(x, k, np.random.default_rng(seed))
     labels = np.full(len(x), -1)
     for _ in range(max_rounds):
-        new = (x @ centroids.T).argmax(axis=1)
+        new = assign(x, centroids)
         if np.array_equal(new, labels):
             break
         labels = new
