@@ -116,9 +116,7 @@ class SharedCompletions:
         self.ttl_ms, self.max_completions, self.max_text_chars = round(ttl_s * 1000), max_completions, max_text_chars
 
     def publish(self, entry: LoggedCompletion) -> None:
-        """Queue an entry the local log took (never waits)."""
-        if not entry.id or len(entry.id) > MAX_ID_CHARS:
-            return
+        """Queue an entry the local log took (never waits; its id was checked there, CompletionLog.put)."""
         if len(self._outbox) >= OUTBOX:
             self._outbox.popleft()
             self.dropped += 1

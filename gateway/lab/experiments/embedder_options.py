@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.estimators.crossfit import LENGTH_CANDIDATES, QUALITY_CANDIDATES, out_of_fold, pool_columns
+from gateway.estimators.crossfit import LENGTH_CANDIDATES, QUALITY_CANDIDATES, Pricing, out_of_fold, pool_columns
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.minilm_export import export_minilm_onnx
 from gateway.lab.sim.stats import difference
@@ -94,23 +94,41 @@ def timed_embeddings(embedder: Embedder, prompts: list[str]) -> tuple[np.ndarray
     return x, {"cpu_ms_per_prompt": 1000 * cpu / len(prompts), "prompts_per_s": len(prompts) / wall}
 
 
-def outcomes(x: np.ndarray, records: list[Record], config, models: tuple[str, ...]) -> dict[str, dict]:
+@dataclass(frozen=True)
+class Labelled:
+    """A labelled file's arrays, the same for every option: labels, pricing, prompt groups, the pool's columns."""
+
+    models: tuple[str, ...]
+    quality: np.ndarray
+    length: np.ndarray
+    pricing: Pricing
+    groups: np.ndarray  # each record's prompt hash: a repeated prompt stays in one fold
+    cols: list[int]
+    tpot_s: np.ndarray
+
+    @classmethod
+    def of(cls, records: list[Record], config, models: tuple[str, ...]) -> Labelled:
+        quality, length = label_arrays(records, models)
+        cols, pool = pool_columns(config.instances, models)
+        return cls(models, quality, length, pricing_of(records, config, models),
+                   np.array([prompt_hash(r.prompt) for r in records]), cols,
+                   np.array([i.tpot_prior_ms / 1000 for i in pool]))
+
+
+def outcomes(x: np.ndarray, data: Labelled, config) -> dict[str, dict]:
     """Each preset's per-prompt correctness and cost (mean over the repeats) on estimates cross-fitted on x."""
-    quality, length = label_arrays(records, models)
-    pricing = pricing_of(records, config, models)
     est = config.estimators
-    groups = np.array([prompt_hash(r.prompt) for r in records])
-    oof = out_of_fold(x, quality, length, pricing, models, est.cv_folds, est.cv_repeats, groups=groups,
-                      quality_candidates=QUALITY_CANDIDATES[:1], length_candidates=LENGTH_CANDIDATES[:1])
-    cols, pool = pool_columns(config.instances, models)
-    tpot = np.array([i.tpot_prior_ms / 1000 for i in pool])
-    labels = np.array([[r.models[m].score for m in models] for r in records], dtype=np.float64)
-    rows = np.arange(len(records))
+    oof = out_of_fold(x, data.quality, data.length, data.pricing, data.models, est.cv_folds, est.cv_repeats,
+                      groups=data.groups, quality_candidates=QUALITY_CANDIDATES[:1],
+                      length_candidates=LENGTH_CANDIDATES[:1])
+    correct = data.quality.astype(np.float64)
+    rows = np.arange(len(correct))
     out = {}
     for name in config.scheduler.presets:
         w = config.weights(name)
-        chosen = picks(oof.quality, oof.length, pricing, cols, tpot, (w.quality, w.latency, w.cost))
-        out[name] = {"correct": labels[rows, chosen].mean(axis=0), "usd": pricing.cost[rows, chosen].mean(axis=0) * PER}
+        chosen = picks(oof.quality, oof.length, data.pricing, data.cols, data.tpot_s, (w.quality, w.latency, w.cost))
+        out[name] = {"correct": correct[rows, chosen].mean(axis=0),
+                     "usd": data.pricing.cost[rows, chosen].mean(axis=0) * PER}
     return out
 
 
@@ -118,6 +136,7 @@ def run(config, workload: str, options: tuple[Option, ...] = OPTIONS) -> dict:
     records = list(read_jsonl(workload))
     models = checked_workload(records, config, workload)
     prompts = [r.prompt for r in records]
+    data = Labelled.of(records, config, models)
     est = config.estimators
     rows: list[dict] = []
     reference: dict[str, dict] | None = None
@@ -135,7 +154,7 @@ def run(config, workload: str, options: tuple[Option, ...] = OPTIONS) -> dict:
                 rows.append(row)
                 continue
             row.update(timing)
-            figures = outcomes(x, records, config, models)
+            figures = outcomes(x, data, config)
             if reference is None:
                 reference = figures
             for preset, f in figures.items():

@@ -51,6 +51,7 @@ from typing import Literal
 import numpy as np
 
 from gateway.config_schema import Section, option, section
+from gateway.core.budget import predicted_cost
 from gateway.core.policy import PolicyContext
 from gateway.core.request import Estimates, RouteRequest
 from gateway.core.view import PoolView
@@ -152,7 +153,7 @@ class MatchScorer:
 
 def expected_cost(price: tuple[float, float], prompt_tokens: float, answer_tokens: float, n: int = 1) -> float:
     """The BEST-Route paper's option cost: the prompt paid once, each of the n answers at the model's mean length."""
-    return prompt_tokens * price[0] + n * answer_tokens * price[1]
+    return float(predicted_cost(prompt_tokens, n * answer_tokens, *price))
 
 
 def _gram(a: np.ndarray) -> np.ndarray:
