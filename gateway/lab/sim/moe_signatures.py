@@ -44,6 +44,7 @@ CALIBRATION = 1000  # calibration prompts, the paper's (and [policies.eldr].cali
 SEED = 0  # of the balanced k-means, as [policies.eldr].seed
 CHUNK = 256  # prompts whose counts are held at once (48 x 128 per prompt)
 _MEMO: dict[tuple, np.ndarray] = {}  # per process: a sweep's cells share one pool's similarities
+MEMO_ENTRIES = 8  # (signature, pool, prompt set) kept at most, the oldest dropped first: a sweep uses two or three
 
 
 def tier(cfg) -> ExpertModel:
@@ -130,6 +131,8 @@ def given(cfg, evalset: EvalSet, signature: str) -> np.ndarray:
     key = (signature, tuple(i.name for i in cfg.instances), tier(cfg).spec, len(evalset),
            hashlib.sha256("\n".join(evalset.prompts).encode("utf-8", "surrogatepass")).hexdigest())
     if key not in _MEMO:
+        if len(_MEMO) >= MEMO_ENTRIES:
+            del _MEMO[next(iter(_MEMO))]
         _MEMO[key] = SIGNATURES[signature](cfg, evalset)
     return _MEMO[key]
 
