@@ -4,9 +4,13 @@ rounds (A B A B), streamed and not.
 
     bash loadtest/peers.sh                      # 3 rounds x 10 s per router and mode, concurrency 32
     bash loadtest/peers.sh --rounds 5 --seconds 20 --no-litellm
+    bash loadtest/peers.sh --client python --backends 13 --no-litellm   # a Python load generator, 13 backends
 
 The peers are installed once in their own virtual environment (.peers-venv, or $PEERS_VENV), wrk from
-Debian's package if it is missing. Every target is checked with one real request of each mode first
+Debian's package if it is missing. `--client python` loads with an asyncio aiohttp client in this process
+instead of wrk (closed loop, --concurrency connections, bounded by --seconds and MAX_REQUESTS a run);
+`--backends N` makes the instant backend answer on N ports, every router in front of all N (the pool's 13
+instances: 13). Every target is checked with one real request of each mode first
 (a router that answers errors fast must not win); wrk's non-2xx count is reported too. Everything
 listens on loopback and every run is bounded by --seconds. Prints req/s and p50/p99 latency per target
 (the median of its rounds), the p50 added over going direct, and the ratio to vllm-router; writes
@@ -16,6 +20,7 @@ loadtest/results/peers.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -29,12 +34,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
+import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("vllm-router==0.1.17", "litellm[proxy]==1.108.7")
 BODY = {"model": "instant", "messages": [{"role": "user", "content": "Say ok."}], "max_tokens": 8}
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+MAX_REQUESTS = 200_000  # per run of the Python client, whatever --seconds allows
 LITELLM_KEY = "sk-peers-" + os.urandom(16).hex()  # LiteLLM's proxy refuses to start without a master key
 
 
@@ -49,10 +57,20 @@ class Run:
     errors: int
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together while chosen, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def peers_venv() -> Path:
@@ -145,34 +163,75 @@ def run_wrk(wrk: str, url: str, script: Path, seconds: int, concurrency: int) ->
     return rps, pct("50"), pct("99"), int(errors.group(1)) if errors else 0
 
 
-def gateway_config(path: Path, port: int, backend: int, redis_url: str | None = None) -> Path:
-    state = f'\n[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "peers:"\n' if redis_url else ""
-    path.write_text(f"""[server]
-port = {port}
-{state}
-[scheduler]
-policy = "passthrough+round_robin"
+def run_python(url: str, stream: bool, seconds: int, concurrency: int,
+               headers: dict[str, str]) -> tuple[float, float, float, int]:
+    """wrk's figures from an asyncio aiohttp client: `concurrency` connections each sending the next request
+    when its answer has been read whole, for `seconds` (and at most MAX_REQUESTS)."""
+    return uvloop.run(_python_load(url, json.dumps({**BODY, "stream": stream}).encode(), seconds, concurrency,
+                                   {"Content-Type": "application/json", **headers}))
 
+
+async def _python_load(url: str, body: bytes, seconds: int, concurrency: int,
+                       headers: dict[str, str]) -> tuple[float, float, float, int]:
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        end = start + seconds
+
+        async def one_connection() -> None:
+            nonlocal errors
+            while time.perf_counter() < end and len(latencies) + errors < MAX_REQUESTS:
+                sent = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - sent)
+                else:
+                    errors += 1
+
+        await asyncio.gather(*(one_connection() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    ms = sorted(x * 1000 for x in latencies) or [float("nan")]
+    return len(latencies) / elapsed, ms[len(ms) // 2], ms[min(len(ms) - 1, int(0.99 * len(ms)))], errors
+
+
+def gateway_config(path: Path, port: int, backends: list[int], redis_url: str | None = None) -> Path:
+    state = f'\n[state]\nbackend = "redis"\nurl = "{redis_url}"\nprefix = "peers:"\n' if redis_url else ""
+    instances = "".join(f"""
 [[instances]]
-name = "instant"
+name = "instant{k}"
 url = "http://127.0.0.1:{backend}"
 model = "instant"
 gpu = "A100-80GB"
 price_input_per_mtok = 0.0
 price_output_per_mtok = 0.0
 tpot_prior_ms = 1.0
-""")
+""" for k, backend in enumerate(backends))
+    path.write_text(f"""[server]
+port = {port}
+{state}
+[scheduler]
+policy = "passthrough+round_robin"
+{instances}""")
     return path
 
 
-def litellm_config(path: Path, backend: int) -> Path:
-    path.write_text(f"""model_list:
-  - model_name: instant
+def litellm_config(path: Path, backends: list[int]) -> Path:
+    models = "".join(f"""  - model_name: instant
     litellm_params:
       model: openai/instant
       api_base: http://127.0.0.1:{backend}/v1
       api_key: none
-general_settings:
+""" for backend in backends)
+    path.write_text(f"""model_list:
+{models}general_settings:
   master_key: {LITELLM_KEY}
 litellm_settings:
   telemetry: false
@@ -186,29 +245,37 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=10, help="per router, mode and round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
+    parser.add_argument("--client", choices=("wrk", "python"), default="wrk",
+                        help="the load generator: wrk, or an asyncio aiohttp client in this process")
+    parser.add_argument("--backends", type=int, default=1,
+                        help="ports the instant backend answers on, every router in front of all (the pool: 13)")
     parser.add_argument("--gateway-workers", default="1",
                         help="this gateway's process counts to measure, comma-separated (e.g. 1,2: `serve --workers "
                              "2` beside one process; more than 1 starts a redis-server for their shared state)")
-    parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "peers.json")
+    parser.add_argument("--out", type=Path, help="default: loadtest/results/peers.json (wrk), peers_python.json")
     args = parser.parse_args()
-    if not (1 <= args.rounds <= 20 and 1 <= args.seconds <= 120):
-        sys.exit("--rounds 1..20 and --seconds 1..120")
-    wrk = ensure_wrk()
+    if not (1 <= args.rounds <= 20 and 1 <= args.seconds <= 120 and 1 <= args.backends <= 64):
+        sys.exit("--rounds 1..20, --seconds 1..120 and --backends 1..64")
+    args.out = args.out or ROOT / "loadtest" / "results" / ("peers.json" if args.client == "wrk" else
+                                                            "peers_python.json")
+    wrk = ensure_wrk() if args.client == "wrk" else ""
     venv = peers_venv()
     logs = Path(tempfile.mkdtemp(prefix="peers-"))
     procs: list[subprocess.Popen] = []
     counts = [int(w) for w in args.gateway_workers.split(",")]
     gateways = {("routebalance" if w == 1 else f"routebalance-w{w}"): w for w in counts}
-    ports = {name: free_port() for name in ("backend", "vllm-router", "litellm", "redis", *gateways)}
-    targets = {"direct": ports["backend"], "vllm-router": ports["vllm-router"], **{g: ports[g] for g in gateways}}
+    names = ("vllm-router", "litellm", "redis", *gateways)
+    chosen = free_ports(len(names) + args.backends)
+    ports, backends = dict(zip(names, chosen, strict=False)), chosen[len(names):]
+    targets = {"direct": backends[0], "vllm-router": ports["vllm-router"], **{g: ports[g] for g in gateways}}
     if not args.no_litellm:
         targets["litellm"] = ports["litellm"]
     try:
-        procs.append(start("backend", [sys.executable, "loadtest/instant_backend.py", "--port", str(ports["backend"])],
-                           ports["backend"], logs, "/health"))
+        procs.append(start("backend", [sys.executable, "loadtest/instant_backend.py", "--ports",
+                                       ",".join(map(str, backends))], backends[0], logs, "/health"))
         procs.append(start("vllm-router", [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
                                            str(ports["vllm-router"]), "--worker-urls",
-                                           f"http://127.0.0.1:{ports['backend']}", "--policy", "round_robin",
+                                           *(f"http://127.0.0.1:{b}" for b in backends), "--policy", "round_robin",
                                            "--log-level", "error"], ports["vllm-router"], logs, "/health"))
         redis_url = None
         if max(counts) > 1:
@@ -218,14 +285,13 @@ def main() -> None:
                                            "--appendonly", "no", "--dir", str(logs)], stdout=subprocess.DEVNULL))
             redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
         for name, workers in gateways.items():
-            config = gateway_config(logs / f"{name}.toml", ports[name], ports["backend"],
-                                    redis_url if workers > 1 else None)
+            config = gateway_config(logs / f"{name}.toml", ports[name], backends, redis_url if workers > 1 else None)
             procs.append(start(name, [str(Path(sys.executable).parent / "routebalance"), "serve", "--config",
                                       str(config), "--workers", str(workers)], ports[name], logs, "/health"))
             every_worker(ports[name], workers)
         if not args.no_litellm:
             procs.append(start("litellm", [str(venv / "bin" / "litellm"), "--config",
-                                           str(litellm_config(logs / "litellm.yaml", ports["backend"])), "--host",
+                                           str(litellm_config(logs / "litellm.yaml", backends)), "--host",
                                            "127.0.0.1", "--port", str(ports["litellm"]), "--num_workers", "1"],
                                ports["litellm"], logs, "/health/liveliness", timeout_s=180.0,
                                env={"LITELLM_LOG": "ERROR"}))
@@ -237,8 +303,13 @@ def main() -> None:
         for rnd in range(args.rounds):
             for mode in ("plain", "stream"):
                 for name, port in targets.items():
-                    rps, p50, p99, errors = run_wrk(wrk, f"http://127.0.0.1:{port}/v1/chat/completions",
-                                                    scripts[(mode, name)], args.seconds, args.concurrency)
+                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                    if args.client == "wrk":
+                        rps, p50, p99, errors = run_wrk(wrk, url, scripts[(mode, name)], args.seconds,
+                                                        args.concurrency)
+                    else:
+                        rps, p50, p99, errors = run_python(url, mode == "stream", args.seconds, args.concurrency,
+                                                           auth(name))
                     runs.append(Run(name, mode, rnd, rps, p50, p99, errors))
                     print(f"  round {rnd + 1} {mode:6} {name:13} {rps:8.0f} req/s  p50 {p50:6.2f} ms  "
                           f"p99 {p99:6.2f} ms" + (f"  {errors} errors" if errors else ""), flush=True)
@@ -254,7 +325,8 @@ def main() -> None:
     print(table(summary, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": {"rounds": args.rounds, "seconds": args.seconds,
-                                                 "concurrency": args.concurrency, "peers": PEERS},
+                                                 "concurrency": args.concurrency, "client": args.client,
+                                                 "backends": args.backends, "peers": PEERS},
                                     "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
     print(f"wrote {args.out}; server logs in {logs}")
 
@@ -274,7 +346,8 @@ def summarise(runs: list[Run], targets: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict], args) -> str:
-    lines = [f"{args.rounds} rounds x {args.seconds} s, concurrency {args.concurrency}, instant backend; medians",
+    lines = [f"{args.rounds} rounds x {args.seconds} s, concurrency {args.concurrency}, {args.client}, "
+             f"instant backend on {args.backends} port(s); medians",
              f"{'mode':<7} {'target':<13} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
              f"{'x vllm-router':>13} {'errors':>7}"]
     for r in rows:

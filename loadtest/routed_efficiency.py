@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import aiohttp
 import httpx
 import numpy as np
 import psutil
-from peers import every_worker  # loadtest/, this script's directory
+from peers import every_worker, free_ports  # loadtest/, this script's directory
 from progressive_compare import held_out
 from residual import histograms, summary
 
@@ -61,18 +60,6 @@ TARGET_CPU_RATIO, TARGET_RATE_RATIO = 1.3, 0.75
 MAX_PROMPTS = 5000
 PHASE_TIMEOUT_S = 600.0
 WARM_UP = 24  # distinct prompts sent before measuring (not in the measured set)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together while chosen, so none is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
@@ -90,7 +77,8 @@ def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
     return {name: prompts[:n + WARM_UP] for name, prompts in sets.items()}
 
 
-def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | None) -> Path:
+def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | None,
+                   threads: int | None = None) -> Path:
     text = default_config_path().read_text()
     urls = sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text)))
     if len(urls) > len(backends):
@@ -100,6 +88,8 @@ def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | 
     text = re.sub(r"(?m)^port = 8000$", f"port = {port}", text, count=1)
     text = text.replace('models_dir = "models"', f'models_dir = "{ROOT / "models"}"', 1)
     text = re.sub(r"(?m)^embed_cache_entries = \d+$", "embed_cache_entries = 0", text, count=1)
+    if threads is not None:
+        text = re.sub(r"(?m)^threads = \d+$", f"threads = {threads}", text, count=1)
     text = text.replace('path = "data/labels.db"', f'path = "{work / "labels.db"}"', 1)
     state = f'backend = "redis"\nurl = "{redis_url}"\nprefix = "efficiency:"' if redis_url else \
         f'backend = "sqlite"\npath = "{work / "state.db"}"'
@@ -276,7 +266,7 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
                                            "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL))
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
             time.sleep(0.5)
-        config = gateway_config(work, port, backends, redis_url)
+        config = gateway_config(work, port, backends, redis_url, args.threads)
         gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(config), "--workers", str(workers)], cwd=ROOT)
         procs.append(gateway)
@@ -346,6 +336,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (saturation)")
     parser.add_argument("--rate", type=float, help="Poisson arrivals at this many req/s instead of the closed loop "
                                                    "(CPU per request at a given load; req/s is then the offered rate)")
+    parser.add_argument("--threads", type=int, help="[estimators] threads of the gateway and of the embedder alone "
+                                                    "(default: the config's)")
     parser.add_argument("--profile", action="store_true",
                         help="sample the gateway with py-spy during each routed run and print where its CPU goes")
     args = parser.parse_args()
@@ -365,6 +357,7 @@ def main() -> None:
             print(scaling_table(runs))
         suffix = "" if counts == [1] else "-w" + "-".join(map(str, counts))
         suffix += f"-r{args.rate:g}" if args.rate else ""
+        suffix += f"-t{args.threads}" if args.threads else ""
         out = ROOT / "loadtest" / "results" / f"routed_efficiency{suffix}.json"
         out.write_text(json.dumps({"cores": os.cpu_count(), "concurrency": None if args.rate else args.concurrency,
                                    "rate": args.rate, "prompts": args.prompts,

@@ -10,9 +10,17 @@ import pytest
 
 from conftest import RECORDS, small_config
 from gateway.artefacts import ArtefactError
+from gateway.config.store import default_config_path, load_config
 from gateway.estimators.bundle import Estimators
 from gateway.estimators.knn import KnnEstimator
-from gateway.lab.training.build import ensure_built, format_report, label_arrays, preset_quality
+from gateway.lab.experiments.embedder_frontier import option_config
+from gateway.lab.training.build import (
+    ensure_built,
+    format_report,
+    inputs_from_config,
+    label_arrays,
+    preset_quality,
+)
 from gateway.lab.workload.synthetic import generate
 from gateway.records import MAX_OUTPUT_TOKENS, split
 
@@ -102,6 +110,18 @@ def test_quality_preset_picks_beat_the_best_single_model_on_held_out_prompts(bui
         assert shrunk >= raw
 
 
+@pytest.mark.parametrize("changes", [{"precision": "int8"}, {"max_tokens": 128}])
+def test_an_index_built_with_one_embedder_is_not_served_with_another(built, changes):
+    """The index holds embeddings made at the build's truncation and precision: a config asking for others
+    is refused with the command that rebuilds, and `up` and `train` see the build as stale."""
+    cfg, manifest, _ = built
+    other = dataclasses.replace(cfg, estimators=dataclasses.replace(cfg.estimators, **changes))
+    with pytest.raises(ArtefactError, match="routebalance train"):
+        Estimators.load(other)
+    assert inputs_from_config(other).fingerprint() != manifest["inputs"]
+    assert inputs_from_config(cfg).fingerprint() == manifest["inputs"]
+
+
 @pytest.mark.parametrize("victim", ["knn.faiss", "knn_labels.npz", "minilm.onnx", "manifest.json"])
 def test_missing_or_corrupt_artefacts_are_named(built, tmp_path, victim):
     cfg, _, _ = built
@@ -133,3 +153,20 @@ def test_shrinkage_prior_is_not_thrown_by_duplicate_prompts():
     assert np.all(np.isfinite(twice.noise_var)) and np.all(twice.noise_var < 0.2)
     # No signal in the labels: estimates stay near each model's prior mean.
     assert np.all(single.signal_var < 0.1 * single.noise_var)
+
+
+def test_an_embedder_option_config_changes_the_estimators_table_only(tmp_path):
+    """embedder_frontier's per-option config: the built-in config with [estimators] models_dir, precision and
+    max_tokens set, every other table as it was."""
+    base = load_config(default_config_path())
+    path = tmp_path / "option.toml"
+    path.write_text(option_config(default_config_path().read_text(), "models-int8",
+                                  {"precision": "int8", "max_tokens": 128}))
+    option = load_config(path)
+    assert (option.estimators.models_dir, option.estimators.precision, option.estimators.max_tokens) == \
+        ("models-int8", "int8", 128)
+    assert dataclasses.replace(option.estimators, models_dir=base.estimators.models_dir, precision="fp32",
+                               max_tokens=256) == base.estimators
+    assert option.instances == base.instances and option.policies == base.policies
+    with pytest.raises(ValueError, match="no_such_key"):
+        option_config(default_config_path().read_text(), "m", {"no_such_key": 1})

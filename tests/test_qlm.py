@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+import types
 
 import httpx
 import numpy as np
@@ -16,14 +17,20 @@ from conftest import Stack, pool_config, steady, wait_for
 from gateway.config.store import default_config_path, load_config
 from gateway.core.budget import per_token, predicted_cost
 from gateway.core.engine.engine import EngineSpec
+from gateway.core.engine.profiles import spec_for_instance
 from gateway.core.loop import SchedulingLoop
 from gateway.core.pool_state import EngineSnapshot, PoolState
 from gateway.core.request import Estimates, RouteRequest, Ticket
+from gateway.core.view import tier_key
+from gateway.estimators.latency import LatencyHeads, fit_head
 from gateway.lab.sim.arrivals import ArrivalSpec
 from gateway.lab.sim.evalset import load_evalset
 from gateway.lab.sim.metrics import summarise
 from gateway.lab.sim.simulator import CellSpec, named_models, run_cell
+from gateway.lab.training.build import tier_lengths
+from gateway.lab.training.traces import to_arrays, virtual_sweep
 from gateway.policies import registry
+from gateway.policies.qlm.heads_curve import heads_curve
 from gateway.policies.qlm.plan import GroupView, Queues, greedy_plan, optimal_plan
 from gateway.policies.qlm.policy import Running
 from gateway.policies.qlm.rct import InstanceModel, Normal, QueueLoad, completion, length, wait
@@ -47,6 +54,35 @@ def test_the_cap_is_where_a_step_doubles_and_a_request_waits_only_when_it_is_ful
     assert w.mean == pytest.approx((400 + 50) / model.token_rate())  # their tokens + half an answer's tail
     c = completion(model, QueueLoad.empty(model, 0), answer, 1000)
     assert c.mean == pytest.approx(0.1 + 100 * 0.02) and c.p_at_most(c.mean) == pytest.approx(0.5)
+
+
+def test_the_step_curve_read_from_tpot_heads_is_near_the_engine_it_learnt_and_absent_without_a_head():
+    """A head trained on a rate sweep of the 7B's engine gives back a line near that engine's (how near is
+    the estimator's error); a tier without a head keeps the engine's curve; without the heads at all the
+    option is refused with what to run."""
+    cfg = load_config(default_config_path())
+    inst = next(i for i in cfg.instances if i.model == SEVEN_B)
+    tier = tier_key(inst.model, inst.gpu)
+    spec = spec_for_instance(inst)
+    x, y = to_arrays(virtual_sweep(inst, tier_lengths([], inst.model, seed=1), requests_per_rate=300))
+    heads = LatencyHeads({tier: fit_head(x, y)}, {tier: inst.tpot_prior_ms / 1000})
+    lone, slope = heads_curve(heads, inst, spec, answer_tokens=150, slowdown=2.0)
+    assert lone == pytest.approx(spec.tpot_s, rel=0.25) and slope == pytest.approx(spec.batch_slope, rel=0.35)
+    learnt = InstanceModel.of(dataclasses.replace(spec, tpot_s=lone, batch_slope=slope), 2.0)
+    assert learnt.cap == pytest.approx(InstanceModel.of(spec, 2.0).cap, rel=0.35)
+    other = next(i for i in cfg.instances if i.model == FOURTEEN_B)
+    assert heads_curve(heads, other, spec_for_instance(other), answer_tokens=90, slowdown=2.0) is None
+
+    options = cfg.with_options("qlm", step_curve="heads")
+    planned = registry.build("qlm", options, types.SimpleNamespace(heads=heads))
+    engine_models = registry.build("qlm", cfg).models
+    for k, i in enumerate(cfg.instances):
+        if i.model == SEVEN_B:
+            assert planned.models[k].tpot_s == pytest.approx(lone) and planned.models[k] != engine_models[k]
+        else:
+            assert planned.models[k] == engine_models[k]
+    with pytest.raises(ValueError, match="routebalance train"):
+        registry.build("qlm", options)
 
 
 def test_what_a_running_answer_has_left_counts_its_stream_or_the_time_since_dispatch():

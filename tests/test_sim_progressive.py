@@ -87,16 +87,16 @@ def test_progressive_answers_sooner_than_the_72b_alone_and_costs_more(small_sim)
     e2e = np.array([[o.finished - o.arrival for o in (cloud.outcomes[r], prog.outcomes[r])] for r in sketched])
     assert np.mean(e2e[:, 1]) < 0.7 * np.mean(e2e[:, 0])
     assert sum(prog.outcomes[r].cost_usd for r in sketched) > sum(cloud.outcomes[r].cost_usd for r in sketched)
-    # quality: the labels of the expansions Eq. 3 kept, between the small models' labels; quality_floor: the
+    # quality: the labels of the expansions Eq. 3 kept, between the small models' labels; quality_oracle: the
     # oracle pick, the better small model's label; the confidence misses the oracle on some requests
     _, expanders = tiers({i.model: (i.price_output_per_mtok, i.price_input_per_mtok) for i in cfg.instances}, 2)
     small = [next(k for k, inst in enumerate(cfg.instances) if inst.model == m) for m in expanders]
     labels = ev.label_score[:, small]
     for r in sketched:
-        q, oracle = prog.outcomes[r].quality, prog.outcomes[r].quality_floor
+        q, oracle = prog.outcomes[r].quality, prog.outcomes[r].quality_oracle
         assert labels[r].min() - 1e-12 <= q <= oracle + 1e-12
         assert oracle == pytest.approx(labels[r].max())
-    assert any(prog.outcomes[r].quality < prog.outcomes[r].quality_floor - 1e-9 for r in sketched)
+    assert any(prog.outcomes[r].quality < prog.outcomes[r].quality_oracle - 1e-9 for r in sketched)
     whole = [r for r, o in enumerate(prog.outcomes) if o.mode != PROGRESSIVE]
     assert whole and all(prog.outcomes[r].quality == cloud.outcomes[r].quality for r in whole)  # the 72B's
 

@@ -448,6 +448,9 @@ class EstimatorsConfig(Section):
     # Prompt truncation for the embedder, in tokens ([CLS] and [SEP] included):
     # 256 is the reference; 128 and 64 trade neighbour agreement for speed.
     max_tokens: int = option(256, ge=16, le=512)
+    # The embedder's arithmetic: "fp32", the reference, or "int8", onnxruntime's dynamic quantisation of the
+    # same graph (about 0.55x the CPU time here; how it routes: docs/operations/load-tests.md).
+    precision: Literal["fp32", "int8"] = "fp32"
     threads: int = option(2, ge=1)  # onnxruntime intra-op threads
     batch_size: int = option(8, ge=1)  # length-sorted sub-batches inside one embed call
     # Prompt embeddings kept for prompts seen again (an LRU keyed by the truncated tokens; 0: off).

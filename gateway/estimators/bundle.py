@@ -58,7 +58,14 @@ class Estimators:
         verify(models_dir, manifest)
         check_versions(models_dir, manifest)
         est = config.estimators
-        embedder = Embedder(models_dir / manifest["embedder"]["onnx"], default_tokenizer_path(),
+        built = manifest["embedder"]
+        built_as = (built.get("max_tokens", est.max_tokens), built.get("precision", "fp32"))
+        if built_as != (est.max_tokens, est.precision):
+            # the index holds embeddings made one way; prompts embedded another way would find wrong neighbours
+            raise ArtefactError(f"{models_dir}: built with the embedder at max_tokens {built_as[0]}, precision "
+                                f"{built_as[1]}; [estimators] asks for max_tokens {est.max_tokens}, precision "
+                                f"{est.precision}: run `routebalance train` to rebuild")
+        embedder = Embedder(models_dir / built["onnx"], default_tokenizer_path(),
                             max_tokens=est.max_tokens, threads=est.threads, batch_size=est.batch_size,
                             cache_entries=est.embed_cache_entries)
         chosen = manifest["knn"]

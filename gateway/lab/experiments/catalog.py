@@ -20,7 +20,8 @@ SWEEPS: dict[str, Callable[[int], list[Cell]]] = {
     "robustness": sweeps.robustness, "qlm": slo_sweeps.qlm, "qlm_cap": slo_sweeps.qlm_cap,
     "qlm_multi": slo_sweeps.qlm_multi, "qos": qos_eval.qos_cells, "staleness": sweeps.staleness,
     "eldr": eldr_eval.eldr_cells, "progressive": progressive_eval.progressive_cells,
-    "qlm_trace": slo_sweeps.qlm_trace, "qos_trace": qos_eval.qos_trace, "qos_fair": qos_eval.qos_fair,
+    "qlm_trace": slo_sweeps.qlm_trace, "qlm_heads": slo_sweeps.qlm_heads, "qos_trace": qos_eval.qos_trace,
+    "qos_fair": qos_eval.qos_fair,
     "best_route": sweeps.best_route_cells, "best_route_labelled": best_route_labelled.cells}
 PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
     "frontier": sweeps.frontier_pairs, "arms": sweeps.arms_pairs, "budget": sweeps.budget_pairs,
@@ -28,6 +29,7 @@ PAIRS: dict[str, Callable[[Sequence[Cell]], list[Pair]]] = {
     "qlm_cap": slo_sweeps.qlm_cap_pairs, "qlm_multi": slo_sweeps.qlm_multi_pairs, "qos": qos_eval.qos_pairs,
     "staleness": sweeps.staleness_pairs, "eldr": eldr_eval.eldr_pairs,
     "progressive": progressive_eval.progressive_pairs, "qlm_trace": slo_sweeps.qlm_pairs,
+    "qlm_heads": slo_sweeps.qlm_heads_pairs,
     "qos_trace": qos_eval.qos_pairs, "qos_fair": qos_eval.fair_pairs, "best_route": sweeps.best_route_pairs,
     "best_route_labelled": best_route_labelled.pairs}
 # Held-out prompts per cell when `--requests` is not given (the others: 2500).

@@ -33,7 +33,7 @@ import numpy as np
 
 from gateway.estimators.crossfit import LENGTH_CANDIDATES, QUALITY_CANDIDATES, Pricing, out_of_fold, pool_columns
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
-from gateway.estimators.minilm_export import export_minilm_onnx
+from gateway.estimators.minilm_export import export_minilm_onnx, quantize_int8
 from gateway.lab.sim.stats import difference
 from gateway.lab.training.build import checked_workload, label_arrays
 from gateway.lab.training.routing_report import PER, picks, pricing_of
@@ -62,9 +62,7 @@ def graph_for(option: Option, fp32: Path, work: Path) -> Path:
     out = work / f"minilm-{option.graph}.onnx"
     if not out.exists():
         if option.graph == "int8":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=True)
+            quantize_int8(fp32, out)  # what `train` makes for [estimators] precision = "int8"
         else:
             _bf16_graph(out)
     return out

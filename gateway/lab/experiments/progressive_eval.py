@@ -9,7 +9,7 @@ On the default pool (the 72B tier sketches; 3B and 7B expand, sim/progressive.py
   a request the fallback rule sends back is the cloud-only one; a sketched
   one's `quality` is the labels of the expansions the gateway's confidence
   (Eq. 3, on the emulator's noisy, per-model-biased logprobs) kept, and its
-  `quality_floor` the labels an oracle pick would keep (sim/progressive.py),
+  `quality_oracle` the labels an oracle pick would keep (sim/progressive.py),
   against the cloud-only cell's `quality`, the 72B's labels on the same prompts;
 - routing: RouteBalance over the whole pool at uniform weights (the paper's
   Routing baseline: each request to one model), for reference;

@@ -40,6 +40,14 @@ throughput the cap costs, and what attainment it buys.
 `qlm`'s cells where its claims are (W_B at 40 req/s, W_C with the ablation,
 auto) with the Azure LLM inference trace's arrivals (arrivals.py) at the same
 rates: the same prompts, SLO mix and systems, only the arrival times differ.
+
+    routebalance sim --sweep qlm_heads
+
+QLM planning with its completion-time estimator fed by the TPOT heads
+(`step_curve = "heads"`: a line fitted through the heads' answers,
+policies/qlm/heads_curve.py) against the engine's own curve, on W_B at its
+three rates and W_C: what a learnt estimate costs QLM where the exact one is
+at hand.
 """
 
 from __future__ import annotations
@@ -108,6 +116,29 @@ def qlm(n: int, kind: str = "gamma", w_b_rates: Sequence[float] = W_B_RATES) -> 
 
 def qlm_trace(n: int) -> list[Cell]:
     return qlm(n, "azure", TRACE_W_B_RATES)
+
+
+HEADS = "qlm, TPOT heads"
+
+
+def qlm_heads(n: int) -> list[Cell]:
+    """QLM planning with the engine's own step-time curve against the curve read from the TPOT heads
+    (`step_curve`), on W_B at its three rates and on W_C: what the estimator's error costs."""
+    cells = []
+    for workload, rate, mega in [*(("W_B one model", r, 0.0) for r in W_B_RATES),
+                                 ("W_C mega prompts", W_C_RATE, MEGA_SHARE)]:
+        tags = {"workload": workload}
+        spec = _spec("qlm", rate, n, ONE_MODEL, mega)
+        cells += [Cell("qlm", "qlm", spec, tags=tags),
+                  Cell("qlm", HEADS, spec, (("qlm", {"step_curve": "heads"}),), tags)]
+    return cells
+
+
+def qlm_heads_pairs(cells: Sequence[Cell]) -> list[Pair]:
+    return [Pair(f"TPOT heads vs engine curve, {workload} @{rate:g}", {"label": HEADS, **at}, {"label": "qlm", **at},
+                 SLO_PAIRED)
+            for workload, rate in dict.fromkeys((c.tags["workload"], c.spec.arrivals.rate) for c in cells)
+            for at in [{"workload": workload, "rate": rate}]]
 
 
 def qlm_pairs(cells: Sequence[Cell]) -> list[Pair]:

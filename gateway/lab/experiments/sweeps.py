@@ -518,6 +518,7 @@ class SweepResult:
     rows: list[dict]  # one per cell: each figure's mean over the seeds, headline ones with _lo/_hi
     seed_rows: list[dict]  # one per cell and seed
     pairs: list[dict]  # one per declared pair: A, B, and A - B with paired intervals
+    arrays: list[list[RequestArrays]] = field(default_factory=list)  # per cell, per seed: each request's outcome
 
 
 def run_sweep(cells: list[Cell], config_path: str, requests: int, workers: int = 2,
@@ -553,7 +554,7 @@ def run_seeded(cells: list[Cell], config_path: str, requests: int, *, seeds: int
     seed_rows = [[runs[i, s][0] for s in seeds] for i in range(len(cells))]
     arrays = [[runs[i, s][1] for s in seeds] for i in range(len(cells))]
     rows = [_cell_row(rs, arrs) for rs, arrs in zip(seed_rows, arrays, strict=True)]
-    return SweepResult(rows, [r for rs in seed_rows for r in rs], [_compare(p, rows, arrays) for p in pairs])
+    return SweepResult(rows, [r for rs in seed_rows for r in rs], [compare(p, rows, arrays) for p in pairs], arrays)
 
 
 def _run_all(cells, tasks, config_path, requests, workload, workers) -> Iterator[tuple[tuple[int, int], tuple]]:
@@ -593,7 +594,8 @@ def _pick(pair: Pair, side: dict, rows: list[dict]) -> int:
     return max(found, key=lambda i: rows[i]["quality"])  # several: the best of the family
 
 
-def _compare(pair: Pair, rows: list[dict], arrays: list[list[RequestArrays]]) -> dict:
+def compare(pair: Pair, rows: list[dict], arrays: list[list[RequestArrays]]) -> dict:
+    """The pair's row: its two cells (rows[i], arrays[i]) and A - B with paired intervals."""
     a, b = _pick(pair, pair.a, rows), _pick(pair, pair.b, rows)
     ra, rb = rows[a], rows[b]
     if (ra["rate"], ra["arrivals"]) != (rb["rate"], rb["arrivals"]):

