@@ -5,6 +5,7 @@
     python loadtest/routed_efficiency.py --workers 1,2,4,8,16 --sets synthetic   # the scaling, on a big machine
     python loadtest/routed_efficiency.py --rate 30           # Poisson arrivals at 30 req/s instead of saturation
     python loadtest/routed_efficiency.py --prompts 300 --sets synthetic
+    python loadtest/routed_efficiency.py --workers 1,2 --threads 1   # two estimating workers of one thread each
 
 Per prompt set (held-out synthetic prompts; the real-label prompts of ../shared/data/real-labels/), never
 pooled, on the same prompts and the same cores:
@@ -17,8 +18,9 @@ pooled, on the same prompts and the same cores:
    load generator and the backends are other processes and are not counted); the residual's stages from
    the gateway's own histograms over the run;
 2. the embedder alone: this process embeds the same prompts at the gateway's batch shape (the mean batch
-   the routed run formed) with the gateway's embedder settings: CPU per prompt (this process's CPU time,
-   onnxruntime's threads included) and prompts/s.
+   the routed run formed) with the gateway's embedder settings, on the cores the gateway's processes use
+   (onnxruntime threads: the gateway's times its workers, up to the machine's cores): CPU per prompt (this
+   process's CPU time, onnxruntime's threads included) and prompts/s.
 
 It prints both side by side with the ratios against the targets (gateway CPU per request at most 1.3x the
 embedder's CPU per prompt; routed req/s at least 75% of the embedder's prompts/s) and writes
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -274,7 +277,11 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
         wait_ready(root + "/health/ready", gateway)
         every_worker(port, workers, timeout_s=180.0)
         cfg = load_config(config)
-        embedder = Estimators.load(cfg).embedder
+        # The embedder alone gets the cores the gateway's processes use: its threads times the workers, up to
+        # the machine's (two workers of one thread each are measured against one embedder of two threads).
+        alone_threads = min(os.cpu_count() or 1, cfg.estimators.threads * workers)
+        alone = dataclasses.replace(cfg.estimators, threads=alone_threads)
+        embedder = Estimators.load(dataclasses.replace(cfg, estimators=alone)).embedder
         results = {}
         for name, prompts in sets.items():
             spy_file = work / f"profile-{name}.txt" if args.profile else None
@@ -289,7 +296,7 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
                 kept = ROOT / "loadtest" / "results" / f"profile-routed-{name}-w{workers}.txt"
                 shutil.copy(spy_file, kept)
                 print(profile_summary(kept), flush=True)
-        return {"threads": cfg.estimators.threads, "sets": results}
+        return {"threads": cfg.estimators.threads, "embedder_alone_threads": alone_threads, "sets": results}
     finally:
         for proc in reversed(procs):
             proc.terminate()
