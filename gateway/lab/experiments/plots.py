@@ -360,12 +360,22 @@ def _scaled(rows: list[dict], name: str, scale: float) -> list[dict]:
     return out
 
 
+# ELDR's arms (each signature, the baselines that place requests by domain or cluster): solid lines.
+ELDR_COLOURS = {"eldr": "tab:blue", "eldr count-idf": "tab:cyan", "domain oracle": "tab:purple",
+                "plain k-means": "tab:brown"}
+
+
 def _eldr_series(rows: list[dict]) -> dict[str, list[dict]]:
-    """ELDR (at each tau) and each load balancer's rows, by the name they are drawn under."""
+    """Each ELDR arm's rows (at its tau) and each load balancer's, by the name they are drawn under."""
     series: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        series[f"eldr, tau={r['tau']:g}" if r["system"] == "eldr" else r["label"]].append(r)
+        series[f"{r['label']}, tau={r['tau']:g}" if r["label"] in ELDR_COLOURS else r["label"]].append(r)
     return series
+
+
+def _eldr_style(name: str) -> tuple[str, str]:
+    arm = name.split(", tau=")[0]
+    return (ELDR_COLOURS[arm], "-") if arm in ELDR_COLOURS else (BALANCER_COLOURS.get(name, "k"), "--")
 
 
 def eldr(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -375,44 +385,54 @@ def eldr(rows: list[dict], out_dir: Path) -> list[Path]:
     from gateway.lab.experiments.eldr_eval import TAU, TAU_RATE
 
     plt = _pyplot()
-    curve = [r for r in rows if r["pool"] == "moe" and (r["system"] != "eldr" or r["tau"] == TAU)]
+    # the usual mix (pool moe, and its count-IDF and domain-oracle signatures), each arm at its headline tau
+    curve = [r for r in rows if r["pool"].split("/")[0] == "moe"
+             and ((r["label"] in ELDR_COLOURS and r["tau"] == TAU) or r["system"] == "passthrough")]
     fig, axes = plt.subplots(1, len(ELDR_FIGURES), figsize=(5.2 * len(ELDR_FIGURES), 5.2))
     for name, series in _eldr_series(curve).items():
-        colour, style = ("tab:blue", "-") if name.startswith("eldr") else (BALANCER_COLOURS.get(name, "k"), "--")
+        colour, style = _eldr_style(name)
         for ax, (figure, title, scale) in zip(axes, ELDR_FIGURES, strict=True):
             if any(figure in r for r in series):
                 _band(ax, _scaled(series, figure, scale), "rate", "y", colour, style, name)
             ax.set(xlabel="arrivals (req/s) over 8 instances", title=title)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, bbox_to_anchor=(0.5, 0.94))
-    fig.suptitle("ELDR against load balancers on the mixture-of-experts pool (8 x Qwen3-30B-A3B shape); 95% "
+    fig.legend(handles, labels, loc="upper center", ncol=(len(labels) + 1) // 2, fontsize=9,
+               bbox_to_anchor=(0.5, 0.94))
+    fig.suptitle("ELDR's arms against load balancers on the mixture-of-experts pool (8 x Qwen3-30B-A3B shape); 95% "
                  "intervals", fontsize=10, y=0.99)
-    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    fig.tight_layout(rect=(0, 0, 1, 0.82))
     paths = [_save(fig, out_dir / "eldr.png")]
 
+    # eldr_tau.png: one row per traffic mix (moe: the usual; moe-kind: half the traffic one kind), each
+    # signature's tau curve, and every other system as a flat reference at its own setting
     at = [r for r in rows if r["rate"] == TAU_RATE]
-    pools = list(dict.fromkeys(r["pool"] for r in at))
-    taus = sorted({r["tau"] for r in at if r["system"] == "eldr"})
-    fig, axes = plt.subplots(len(pools), 3, figsize=(16, 4.4 * len(pools)), squeeze=False)
-    for row_axes, pool in zip(axes, pools, strict=True):
-        mine = [r for r in at if r["pool"] == pool]
+    mixes = list(dict.fromkeys(r["pool"].split("/")[0] for r in at))
+    taus = sorted({r["tau"] for r in at if r["label"] in ELDR_COLOURS})
+    fig, axes = plt.subplots(len(mixes), 3, figsize=(16, 4.4 * len(mixes)), squeeze=False)
+    for row_axes, mix in zip(axes, mixes, strict=True):
+        mine = [r for r in at if r["pool"].split("/")[0] == mix]
+        arms = defaultdict(list)
+        for r in mine:
+            arms[r["label"]].append(r)
         for ax, (figure, title, scale) in zip(row_axes, ELDR_FIGURES[:3], strict=True):
-            tuned = sorted((r for r in mine if r["system"] == "eldr"), key=lambda r: r["tau"])
-            points = _scaled(tuned, figure, scale)
-            xs = [taus.index(r["tau"]) for r in tuned]
-            ax.errorbar(xs, [p["y"] for p in points], yerr=_err(points, "y"), fmt="-o", c="tab:blue",
-                        capsize=3, label="eldr")
-            for r in _scaled([r for r in mine if r["system"] != "eldr"], figure, scale):
-                colour = BALANCER_COLOURS.get(r["label"], "k")
-                ax.axhline(r["y"], c=colour, ls="--", lw=1, label=r["label"])
-                ax.axhspan(r["y_lo"], r["y_hi"], color=colour, alpha=0.08, lw=0)
+            for label, arm in arms.items():
+                colour, style = _eldr_style(label)
+                points = _scaled(sorted(arm, key=lambda r: r["tau"] if r["tau"] == r["tau"] else 0.0), figure, scale)
+                if len(points) > 1:  # a tau curve
+                    ax.errorbar([taus.index(r["tau"]) for r in points], [q["y"] for q in points],
+                                yerr=_err(points, "y"), fmt="-o", c=colour, capsize=3, label=label)
+                    continue
+                ax.axhline(points[0]["y"], c=colour, ls=style if style == "--" else ":", lw=1, label=label)
+                ax.axhspan(points[0]["y_lo"], points[0]["y_hi"], color=colour, alpha=0.08, lw=0)
             ax.set_xticks(range(len(taus)), [f"{t:g}" for t in taus])
-            ax.set(xlabel="tau (0: nearest centroid only; 1: shortest queue)", title=f"{pool}: {title}")
+            ax.set(xlabel="tau (0: nearest centroid only; 1: shortest queue)", title=f"{mix}: {title}")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, bbox_to_anchor=(0.5, 0.965))
-    fig.suptitle(f"ELDR's locality band at {TAU_RATE:g} req/s: moe, the usual mix; moe-shift, half the traffic one "
-                 "kind (code) the centroids were not fitted for; 95% intervals", fontsize=10, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.legend(handles, labels, loc="upper center", ncol=(len(labels) + 1) // 2, fontsize=9,
+               bbox_to_anchor=(0.5, 0.965))
+    fig.suptitle(f"ELDR's locality band at {TAU_RATE:g} req/s: moe, the usual mix; moe-kind, half the traffic one "
+                 "kind; the flat lines are the other systems at their own setting; 95% intervals", fontsize=10,
+                 y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
     return [*paths, _save(fig, out_dir / "eldr_tau.png")]
 
 

@@ -135,10 +135,12 @@ def qlm_heads(n: int) -> list[Cell]:
 
 
 def qlm_heads_pairs(cells: Sequence[Cell]) -> list[Pair]:
-    return [Pair(f"TPOT heads vs engine curve, {workload} @{rate:g}", {"label": HEADS, **at}, {"label": "qlm", **at},
-                 SLO_PAIRED)
-            for workload, rate in dict.fromkeys((c.tags["workload"], c.spec.arrivals.rate) for c in cells)
-            for at in [{"workload": workload, "rate": rate}]]
+    pairs = []
+    for workload, rate in dict.fromkeys((c.tags["workload"], c.spec.arrivals.rate) for c in cells):
+        at = {"workload": workload, "rate": rate}
+        pairs.append(Pair(f"TPOT heads vs engine curve, {workload} @{rate:g}", {"label": HEADS, **at},
+                          {"label": "qlm", **at}, SLO_PAIRED))
+    return pairs
 
 
 def qlm_pairs(cells: Sequence[Cell]) -> list[Pair]:
