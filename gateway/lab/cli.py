@@ -120,7 +120,10 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--pool",
                    help="one cell: a pool made for an experiment instead of the config's instances: moe (ELDR's "
                         "eight mixture-of-experts instances, gateway/examples/moe.toml), moe-shift (the same, half "
-                        "the traffic one kind), W_A, or a config .toml whose instances to use")
+                        "the traffic one kind), moe-kind (experts that prefer by kind only, not within it), "
+                        "POOL/count-idf or POOL/domain (an moe pool routed by ELDR on the count-IDF signature of "
+                        "simulated prefill, or on the domain oracle), W_A (QLM's multi-model GPUs), qos-similar "
+                        "(six 7B-like experts), or a config .toml whose instances to use")
     p.add_argument("--compare", default="",
                    help="one cell: also run these policies (comma-separated; `balancers`: round robin, shortest "
                         "queue and power of two choices) on the same prompts and arrivals, and print a table with "
