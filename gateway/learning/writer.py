@@ -1,7 +1,8 @@
 """Answer lengths from the request path to the label store, without the request ever waiting on a disk.
 
 A request offers its length label to a bounded queue and goes on (`offer` never blocks); one background
-task takes what has queued, up to a batch, and writes it in a worker thread, one transaction per batch.
+task takes what has queued within GATHER_S of the first label, up to a batch, and writes it in a worker
+thread, one transaction per batch.
 When the queue is full (the disk cannot keep up) a label is dropped and counted, never held: a length
 is one observation among many, and memory must not grow with a slow disk.
 """
@@ -17,6 +18,10 @@ from gateway.learning.store import LabelStore, LabelStoreError
 
 log = logging.getLogger("routebalance.learning")
 BATCH = 256  # labels per transaction: one commit for many labels while traffic is high
+# A label that finds fewer than a batch queued waits this long for the next ones to share its transaction:
+# taken one at a time, every answer cost a commit and a hand-off to a thread.
+GATHER_S = 0.2
+FLUSH_POLL_S = 0.02
 
 
 class LabelWriter:
@@ -29,6 +34,8 @@ class LabelWriter:
         self.count = count
         self._queue: asyncio.Queue[Label] = asyncio.Queue(maxsize=capacity)
         self._closed = False
+        self._offered = 0  # labels queued so far
+        self._settled = 0  # of those, labels whose write has finished (written, or failed and counted)
 
     @property
     def queued(self) -> int:
@@ -43,17 +50,32 @@ class LabelWriter:
         except asyncio.QueueFull:
             self.count("queue_full", 1)
             return False
+        self._offered += 1
+        return True
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until the labels queued before this call are written (at most `timeout_s`): what a refresh
+        reads then includes the answers served before it. False when the time ran out."""
+        target = self._offered
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._settled < target:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(FLUSH_POLL_S)
         return True
 
     async def run(self) -> None:
         """Write queued labels until cancelled."""
         while True:
             batch = [await self._queue.get()]
+            if self._queue.qsize() + 1 < BATCH and not self._closed:
+                await asyncio.sleep(GATHER_S)
             while len(batch) < BATCH and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             try:
                 await self._write(batch)
             finally:
+                self._settled += len(batch)
                 for _ in batch:
                     self._queue.task_done()
 

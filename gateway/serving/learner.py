@@ -37,6 +37,7 @@ from gateway.serving.workers import SINGLE, Worker
 
 log = logging.getLogger("routebalance.learning")
 PRUNE_EVERY_S = 3600.0  # how often labels past their retention are deleted
+FLUSH_TIMEOUT_S = 5.0  # how long a refresh waits for the lengths still queued
 
 
 class TrafficLearner:
@@ -104,6 +105,11 @@ class TrafficLearner:
         if shared is None or (local is not None and local.rating is not None and shared.rating is None):
             return local  # (a rating taken here and not yet shared counts)
         return shared
+
+    async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Until the answer lengths offered so far are in the store (bounded: a refresh waits no longer)."""
+        if self.writer is not None and not await self.writer.flush(timeout_s):
+            log.warning("answer lengths still queued after %g s: a refresh goes on without them", timeout_s)
 
     async def close(self, timeout_s: float) -> None:
         """Write what is queued (within `timeout_s`), then stop and close the store."""

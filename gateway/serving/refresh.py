@@ -119,6 +119,7 @@ class EstimatorRefresh:
         async with self._running:
             with self._host_lock(self._ready()):
                 await self._follow()  # another worker's version first: what this one builds on
+                await self.learner.flush()  # the lengths of the answers served so far, still being gathered
                 return await self._refresh(reason, label_store)
 
     async def _refresh(self, reason: str, label_store) -> dict:
