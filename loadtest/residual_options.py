@@ -6,7 +6,7 @@
 Starts `routebalance emulate` (the built-in pool) once, then for each option `routebalance serve` with the
 built-in config and that option's `[estimators]` (fp32 at 256 tokens with 2 onnxruntime threads, the
 default; 1 thread; int8; 128 tokens), runs loadtest/residual.py against it (Poisson arrivals of held-out
-prompts) and reads the CPU the gateway and the emulator used over the run from /proc (each process with its
+prompts) and reads the CPU the gateway and the emulator used over the run (psutil: each process with its
 children). The int8 and 128-token options need their estimators built: `python -m
 gateway.lab.experiments.embedder_frontier` builds them (models-precision-int8/, models-max_tokens-128/).
 Writes loadtest/results/residual_options.json. Loopback only; every run is bounded by --seconds.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,13 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import psutil
+from routed_efficiency import ROOT, gateway_cpu_s, wait_ready  # loadtest/, this script's directory
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from gateway.config.store import default_config_path  # noqa: E402
-from gateway.lab.experiments.embedder_frontier import option_config  # noqa: E402
+from gateway.config.store import default_config_path
+from gateway.lab.experiments.embedder_frontier import option_config
 
 # option -> (the estimators' directory, the [estimators] changes)
 OPTIONS = {
@@ -40,30 +37,6 @@ OPTIONS = {
     "fp32-128-tokens": ("models-max_tokens-128", {"max_tokens": 128}),
 }
 GATEWAY = "http://127.0.0.1:8000"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its children, as /proc has them now."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = (int(fields[11]) + int(fields[12])) / TICK
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        total += cpu_s(int(child))
-    return total
-
-
-def wait_healthy(proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the gateway exited with code {proc.returncode}")
-        try:
-            if httpx.get(GATEWAY + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    sys.exit(f"the gateway was not healthy in {timeout_s:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -103,14 +76,15 @@ def main() -> None:
                                        stdout=open(work / f"{config.stem}.log", "wb"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)
             try:
-                wait_healthy(gateway)
+                wait_ready(GATEWAY + "/health", gateway)
                 time.sleep(3)  # warm-up decisions and the first scrapes settle
-                before = cpu_s(gateway.pid), cpu_s(emulator.pid), time.perf_counter()
+                cpu = [psutil.Process(gateway.pid), psutil.Process(emulator.pid)]
+                before = gateway_cpu_s(cpu[0]), gateway_cpu_s(cpu[1]), time.perf_counter()
                 out = work / config.stem
                 subprocess.run([sys.executable, str(ROOT / "loadtest" / "residual.py"), "--url", GATEWAY, "--rate",
                                 str(args.rate), "--seconds", str(args.seconds), "--out", str(out)], cwd=ROOT,
                                check=True, stdout=subprocess.DEVNULL, timeout=args.seconds + 300)
-                after = cpu_s(gateway.pid), cpu_s(emulator.pid), time.perf_counter()
+                after = gateway_cpu_s(cpu[0]), gateway_cpu_s(cpu[1]), time.perf_counter()
             finally:
                 stop(gateway)
             wall = after[2] - before[2]
