@@ -26,16 +26,12 @@ from pathlib import Path
 import psutil
 from routed_efficiency import ROOT, gateway_cpu_s, wait_ready  # loadtest/, this script's directory
 
-from gateway.config.store import default_config_path
-from gateway.lab.experiments.embedder_frontier import option_config
+from gateway.config.store import default_config_path, load_config
+from gateway.lab.experiments.embedder_frontier import option_config, option_models_dir
 
-# option -> (the estimators' directory, the [estimators] changes)
-OPTIONS = {
-    "fp32": ("models", {}),
-    "fp32-1-thread": ("models", {"threads": 1}),
-    "int8": ("models-precision-int8", {"precision": "int8"}),
-    "fp32-128-tokens": ("models-max_tokens-128", {"max_tokens": 128}),
-}
+# option -> its [estimators] changes (the estimators' directory follows from them, as embedder_frontier builds it)
+OPTIONS = {"fp32": {}, "fp32-1-thread": {"threads": 1}, "int8": {"precision": "int8"},
+           "fp32-128-tokens": {"max_tokens": 128}}
 GATEWAY = "http://127.0.0.1:8000"
 
 
@@ -60,18 +56,21 @@ def main() -> None:
         sys.exit("--seconds 1..600")
     cli = str(Path(sys.executable).parent / "routebalance")
     work = Path(tempfile.mkdtemp(prefix="residual-options-"))
+    text = default_config_path().read_text()
+    base = load_config(default_config_path()).estimators.models_dir
     emulator = subprocess.Popen([cli, "emulate"], cwd=ROOT, stdout=open(work / "emulate.log", "wb"),  # noqa: SIM115
                                 stderr=subprocess.STDOUT)
     rows: list[dict] = []  # one flat row per option (the docs' table)
     stage_rows: dict[str, list[dict]] = {}  # option -> residual.py's stages
     try:
         for name in chosen:
-            models_dir, changes = OPTIONS[name]
+            changes = OPTIONS[name]
+            models_dir = option_models_dir(base, changes)
             if not (ROOT / models_dir / "manifest.json").is_file():
                 print(f"{name}: {models_dir}/ is not built; skipped (see this script's docstring)")
                 continue
             config = work / f"{len(rows)}.toml"
-            config.write_text(option_config(default_config_path().read_text(), models_dir, changes))
+            config.write_text(option_config(text, models_dir, changes))
             gateway = subprocess.Popen([cli, "serve", "--config", str(config)], cwd=ROOT,
                                        stdout=open(work / f"{config.stem}.log", "wb"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)

@@ -62,6 +62,11 @@ class Answer:
         return "".join(self.token_strings(start, count))
 
 
+def text_seed(prompt: str) -> int:
+    """The seed of the words the emulator answers `prompt` with (its filler and a sketch's points)."""
+    return int(prompt_key(prompt)[:8], 16)
+
+
 def sketch_pieces(points: int, seed: int) -> tuple[str, ...]:
     """A sketch's tokens: "1." then 3-6 words, "\n2." then 3-6 words, ..."""
     pieces: list[str] = []
@@ -118,17 +123,17 @@ class OutputLengths:
 
     def answer(self, text: str, model: str) -> Answer:
         """What `model` answers to `text`: a progressive prompt by its question's labels, any other by its own."""
-        text_seed = int(prompt_key(text)[:8], 16)
+        seed = text_seed(text)
         sketch = parse_sketch_prompt(text)
         if sketch is not None:
             k = sketch_points(self.for_prompt(sketch.question, model), sketch.max_points)
-            pieces = sketch_pieces(k, text_seed)
-            return Answer(len(pieces), text_seed, pieces)
+            pieces = sketch_pieces(k, seed)
+            return Answer(len(pieces), seed, pieces)
         expansion = parse_expansion_prompt(text)
         if expansion is not None:
             return Answer(expansion_tokens(self.for_prompt(expansion.question, model), len(expansion.points)),
-                          text_seed)
-        return Answer(self.for_prompt(text, model), text_seed)
+                          seed)
+        return Answer(self.for_prompt(text, model), seed)
 
     def for_prompt(self, text: str, model: str) -> int:
         key = prompt_key(text)

@@ -53,6 +53,16 @@ def option_config(text: str, models_dir: str, changes: dict) -> str:
     return head + sep + table + nxt + tail
 
 
+BUILT_WITH = ("max_tokens", "precision")  # the [estimators] keys a build depends on (threads do not)
+
+
+def option_models_dir(base: str, changes: dict) -> str:
+    """Where an option's estimators are built: the config's models_dir suffixed with the changes a build
+    depends on ("models-precision-int8"); the base itself when there are none."""
+    suffix = "-".join(f"{key}-{value}" for key, value in changes.items() if key in BUILT_WITH)
+    return f"{base.rstrip('/')}-{suffix}" if suffix else base
+
+
 def cells(option: str, n: int = REQUESTS, rates=FULL_RATES) -> list:
     return [dataclasses.replace(_rb(label, RB_WEIGHTS[label], rate, n), tags={"embedder": option})
             for rate in rates for label in PRESETS]
@@ -68,16 +78,15 @@ def run(config_path: Path, seeds: int, workers: int, requests: int = REQUESTS) -
     """Every option's cells on `seeds` seeds, building each option's estimators first if needed."""
     from gateway.config.store import load_config
 
-    base = load_config(config_path).estimators.models_dir.rstrip("/")
+    base = load_config(config_path).estimators.models_dir
     text = config_path.read_text()
     results: list[SweepResult] = []
     with tempfile.TemporaryDirectory() as work:
         for k, (option, changes) in enumerate(OPTIONS.items()):
             path = config_path
             if changes:
-                suffix = "-".join(f"{key}-{value}" for key, value in changes.items())
                 path = Path(work) / f"option{k}.toml"
-                path.write_text(option_config(text, f"{base}-{suffix}", changes))
+                path.write_text(option_config(text, option_models_dir(base, changes), changes))
             print(f"{option}: {len(cells(option))} cells x {seeds} seeds", flush=True)
             results.append(run_seeded(cells(option, requests), str(path), requests, seeds=seeds, workers=workers))
     rows = [r for res in results for r in res.rows]

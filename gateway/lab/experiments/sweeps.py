@@ -172,8 +172,7 @@ def frontier_pairs(cells: Sequence[Cell]) -> list[Pair]:
         def rb(label, rate=rate):
             return {"system": "routebalance", "label": label, "rate": rate}
 
-        pairs += [Pair(f"quality preset vs best BEST-Route @{rate:g}", rb("quality"),
-                       {"system": "best_route", "label": concurrent, "rate": rate}),
+        pairs += [_quality_vs_best_route(rate, concurrent),
                   Pair(f"quality preset vs best Avengers-Pro @{rate:g}", rb("quality"),
                        {"system": "avengers", "rate": rate}),
                   Pair(f"quality preset vs always 72B @{rate:g}", rb("quality"),
@@ -184,10 +183,22 @@ def frontier_pairs(cells: Sequence[Cell]) -> list[Pair]:
         pairs += [Pair(f"uniform vs BEST-Route {br} @{rate:g}",
                        {"system": "routebalance", "label": "uniform", "rate": rate},
                        {"system": "best_route", "label": br, "rate": rate}),
-                  Pair(f"BEST-Route t={HEADLINE_THRESHOLD}: serial vs concurrent scoring @{rate:g}",
-                       {"system": "best_route", "label": f"t={HEADLINE_THRESHOLD} serial+round_robin", "rate": rate},
-                       {"system": "best_route", "label": br, "rate": rate})]
+                  _serial_vs_concurrent(rate)]
     return pairs
+
+
+def _quality_vs_best_route(rate: float, concurrent: tuple[str, ...]) -> Pair:
+    """The quality preset against the best of BEST-Route's concurrent cells (`concurrent`: their labels)."""
+    return Pair(f"quality preset vs best BEST-Route @{rate:g}",
+                {"system": "routebalance", "label": "quality", "rate": rate},
+                {"system": "best_route", "label": concurrent, "rate": rate})
+
+
+def _serial_vs_concurrent(rate: float) -> Pair:
+    """BEST-Route at the headline threshold with serial against concurrent scoring."""
+    return Pair(f"BEST-Route t={HEADLINE_THRESHOLD}: serial vs concurrent scoring @{rate:g}",
+                {"system": "best_route", "label": f"t={HEADLINE_THRESHOLD} serial+round_robin", "rate": rate},
+                {"system": "best_route", "label": f"t={HEADLINE_THRESHOLD}+round_robin", "rate": rate})
 
 
 # The rates the paper's BEST-Route comparisons quote: 12 (the quality ceiling) and 24-30 (the load gap).
@@ -211,16 +222,12 @@ def best_route_pairs(cells: Sequence[Cell]) -> list[Pair]:
     quality_rates = sorted({c.spec.arrivals.rate for c in cells if c.label == "quality"})
     concurrent = tuple(c.label for c in cells if c.system == "best_route" and "serial" not in c.label)
     br = f"t={HEADLINE_THRESHOLD}+round_robin"
-    pairs = [Pair(f"quality preset vs best BEST-Route @{rate:g}",
-                  {"system": "routebalance", "label": "quality", "rate": rate},
-                  {"system": "best_route", "label": concurrent, "rate": rate}) for rate in quality_rates]
+    pairs = [_quality_vs_best_route(rate, concurrent) for rate in quality_rates]
     for rate in sorted({c.spec.arrivals.rate for c in cells}):
         pairs += [Pair(f"BEST-Route {br} vs uniform @{rate:g}",  # relative: how many times uniform's E2E, minus 1
                        {"system": "best_route", "label": br, "rate": rate},
                        {"system": "routebalance", "label": "uniform", "rate": rate}, relative=True),
-                  Pair(f"BEST-Route t={HEADLINE_THRESHOLD}: serial vs concurrent scoring @{rate:g}",
-                       {"system": "best_route", "label": f"t={HEADLINE_THRESHOLD} serial+round_robin", "rate": rate},
-                       {"system": "best_route", "label": br, "rate": rate})]
+                  _serial_vs_concurrent(rate)]
     return pairs
 
 

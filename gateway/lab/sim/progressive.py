@@ -68,9 +68,8 @@ from gateway.core.progressive_prompts import (
     sketch_prompt,
 )
 from gateway.lab.emulator.logprobs import answer_mean_logprob
-from gateway.lab.emulator.outputs import filler_text, sketch_pieces
+from gateway.lab.emulator.outputs import filler_text, sketch_pieces, text_seed
 from gateway.lab.workload.progressive import expansion_tokens, sketch_points
-from gateway.records import prompt_key
 
 PROGRESSIVE = "progressive"
 EMULATOR_SEED = 0  # the default [emulator] seed: the confidence noise the default emulator draws
@@ -148,7 +147,7 @@ def plan_all(prompts, prompt_tokens: np.ndarray, label_length: np.ndarray, predi
             modes.append(reason.value)
             continue
         written = sketch_points(int(label_length[r, column]), limits.max_points)
-        seed = int(prompt_key(sketch_prompt(prompts[r], limits.max_points))[:8], 16)  # the emulator's text seed
+        seed = text_seed(sketch_prompt(prompts[r], limits.max_points))
         pieces = sketch_pieces(written, seed)[:limits.sketch_max_tokens]  # the emulator's sketch, as sent
         sketch = len(pieces)
         texts = tuple(parse_points("".join(pieces), limits.max_points))  # what the gateway reads of it
@@ -191,13 +190,13 @@ def kept(plan: ProgressivePlan, point: int, served: list[tuple[Expansion, object
     gateway keeps: the highest Eq. 3 confidence on what the emulator would send each (its mean token
     logprob, its length and its filler text), ties to the shorter, then the first."""
     prompt, text_point = plan.expansion_prompts[point - 1], plan.point_texts[point - 1]
-    text_seed = int(prompt_key(prompt)[:8], 16)  # the emulator's text seed for this prompt
+    seed = text_seed(prompt)
     scores = []
     for e, o in served:
         mean = answer_mean_logprob(model=e.model, quality=o.quality, prompt=prompt, emulator_seed=EMULATOR_SEED,
                                    request_seed=None)
         scores.append(confidence_score(mean, o.completion_tokens, text_point,
-                                       filler_text(text_seed, 0, o.completion_tokens), limits.confidence))
+                                       filler_text(seed, 0, o.completion_tokens), limits.confidence))
     return best_of(scores, [o.completion_tokens for _, o in served])
 
 
