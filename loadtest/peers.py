@@ -117,6 +117,14 @@ def start(name: str, cmd: list[str], port: int, logs: Path, ready_path: str, tim
     sys.exit(f"{name} did not come up in {timeout_s:.0f} s; see {logs / (name + '.log')}")
 
 
+def start_redis(binary: str, port: int, directory: Path | str) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on loopback (nothing persisted; its files in `directory`): the process and its
+    URL. Callers stop it with the rest of their processes."""
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(directory)], stdout=subprocess.DEVNULL)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
 def every_worker(port: int, workers: int, timeout_s: float = 60.0) -> None:
     """Until each of a gateway's workers has answered on its port (new connections reach one the kernel picks)."""
     seen: set[int] = set()
@@ -281,9 +289,8 @@ def main() -> None:
         if max(counts) > 1:
             redis = shutil.which("redis-server") or sys.exit("--gateway-workers > 1 needs redis-server: "
                                                              "apt-get install -y redis-server")
-            procs.append(subprocess.Popen([redis, "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
-                                           "--appendonly", "no", "--dir", str(logs)], stdout=subprocess.DEVNULL))
-            redis_url = f"redis://127.0.0.1:{ports['redis']}/0"
+            redis_proc, redis_url = start_redis(redis, ports["redis"], logs)
+            procs.append(redis_proc)
         for name, workers in gateways.items():
             config = gateway_config(logs / f"{name}.toml", ports[name], backends, redis_url if workers > 1 else None)
             procs.append(start(name, [str(Path(sys.executable).parent / "routebalance"), "serve", "--config",

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
-from peers import ROOT, ensure_wrk, free_port, run_wrk, start
+from peers import ROOT, ensure_wrk, free_port, run_wrk, start, start_redis
 
 from gateway.config.store import load_config
 from gateway.lab.workload.synthetic import generate
@@ -249,13 +249,11 @@ def main() -> None:
         infra = [start("emulator", [str(ROOT / ".venv/bin/routebalance"), "--log-level", "WARNING", "emulate",
                                     "--config", str(pool_path)], first_port, work, "/health")]
         try:
-            infra.append(subprocess.Popen([redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
-                                           "--save", "", "--appendonly", "no", "--dir", tmp],
-                                          stdout=subprocess.DEVNULL))
+            redis, redis_url = start_redis(redis_server, redis_port, tmp)
+            infra.append(redis)
             for round_ in range(args.rounds):  # N = 1, 2, 3, 1, 2, 3, ...: drift hits every N alike
                 for n in range(1, args.replicas + 1):
-                    rows.append({"round": round_, **run_n(n, args, work, pool_text,
-                                                          f"redis://127.0.0.1:{redis_port}/0", wrk, haproxy)})
+                    rows.append({"round": round_, **run_n(n, args, work, pool_text, redis_url, wrk, haproxy)})
                     print(line(rows[-1]), flush=True)
         finally:
             stop(infra)

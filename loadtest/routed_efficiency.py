@@ -50,7 +50,7 @@ import aiohttp
 import httpx
 import numpy as np
 import psutil
-from peers import every_worker, free_ports  # loadtest/, this script's directory
+from peers import every_worker, free_ports, start_redis  # loadtest/, this script's directory
 from progressive_compare import held_out
 from residual import histograms, summary
 
@@ -265,9 +265,8 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
         if workers > 1:
             binary = shutil.which("redis-server") or sys.exit("--workers > 1 needs redis-server: "
                                                               "apt-get install -y redis-server")
-            procs.append(subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                           "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL))
-            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+            redis, redis_url = start_redis(binary, redis_port, work)
+            procs.append(redis)
             time.sleep(0.5)
         config = gateway_config(work, port, backends, redis_url, args.threads)
         gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
