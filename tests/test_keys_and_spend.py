@@ -291,10 +291,14 @@ def test_an_instance_without_usage_is_costed_by_counting(budget_stack, tmp_path)
     assert final.completion_tokens == 9 and final.model_extra["cost_source"] == "counted"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " w" * 9
     expected = usage["cost_usd"] + final.model_extra["cost_usd"]
-    assert spent(tmp_path) == pytest.approx(expected)  # both booked against the key
-    page = httpx.get(budget_stack.root + "/metrics", timeout=5).text
-    line = next(x for x in page.splitlines() if x.startswith('routebalance_key_spend_usd_total{key="a"}'))
-    assert float(line.split()[-1]) == pytest.approx(expected)
+    # Both booked against the key; a stream is booked once it has ended, which its client may see first.
+    wait_for(lambda: spent(tmp_path) == pytest.approx(expected), timeout=5, what="the stream's booking")
+
+    def counted() -> float:
+        page = httpx.get(budget_stack.root + "/metrics", timeout=5).text
+        line = next(x for x in page.splitlines() if x.startswith('routebalance_key_spend_usd_total{key="a"}'))
+        return float(line.split()[-1])
+    wait_for(lambda: counted() == pytest.approx(expected), timeout=5, what="the stream's spend in /metrics")
 
 
 def test_a_retried_request_pays_for_both_attempts_within_its_budget(budget_stack, tmp_path):
