@@ -56,7 +56,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,27 +68,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from peers import free_ports  # loadtest/, this script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = "passthrough+round_robin"  # needs no estimators; --policy routebalance builds them (minutes)
 
 
 # ---- the stack: `routebalance up` as a child process on a temp config ----------------------------------
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port, never one already handed out by this process."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free loopback port")
-
 
 def dump_toml(data: dict) -> str:
     """Enough TOML for a config: tables, arrays of tables (top level), scalars, inline arrays and tables."""
@@ -144,13 +129,14 @@ def make_config(source: Path, workdir: Path, policy: str, watch_s: float = 0.2,
     data = tomllib.loads(source.read_text())
     if models_dir is not None:
         data.setdefault("estimators", {})["models_dir"] = str(models_dir.resolve())
+    port, *instance_ports = free_ports(1 + len(data["instances"]))
     server = data.setdefault("server", {})
-    server.update(host="127.0.0.1", port=free_port(), config_watch_interval_s=watch_s)
+    server.update(host="127.0.0.1", port=port, config_watch_interval_s=watch_s)
     server.pop("metrics_port", None)
     data.setdefault("scheduler", {})["policy"] = policy
     data.setdefault("state", {})["path"] = str(workdir / "state.db")  # only opened with [auth] keys
-    for inst in data["instances"]:
-        inst["url"] = f"http://127.0.0.1:{free_port()}"
+    for inst, inst_port in zip(data["instances"], instance_ports, strict=True):
+        inst["url"] = f"http://127.0.0.1:{inst_port}"
         inst["faults"] = {"error_rate": 0.0, "added_latency_ms": 0.0, "down": False}
     path = workdir / "config.toml"
     write_atomically(path, dump_toml(data))

@@ -2,7 +2,7 @@
 
     python loadtest/dashboard_check.py [--seconds 60] [--rate 4] [--replicas 1] [--redis]
 
-Starts, on loopback ports 18000-18999: the emulated pool of deploy/config.toml (plus one flaky
+Starts, on free loopback ports: the emulated pool of deploy/config.toml (plus one flaky
 3B instance, so instance health moves), the gateway (or --replicas N of them, sharing a Redis
 that --redis starts from Debian's redis-server), and Debian's `prometheus` scraping every 1 s
 into a temporary directory. Drives a bounded load through the openai SDK with two API keys, a mix
@@ -23,7 +23,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import tomllib
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from peers import free_ports  # loadtest/, this script's directory
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy/grafana/dashboards/routebalance.json"
@@ -44,20 +45,6 @@ RATE_INTERVAL = "10s"
 STEP_S = 2
 MESSAGES_CAP = 400  # characters of a synthetic prompt sent
 UNITS = {"reqps": "requests/s", "s": "seconds", "currencyUSD": "USD", "percentunit": "share", "none": ""}
-
-
-def free_ports(n: int) -> list[int]:
-    found: list[int] = []
-    for port in random.sample(range(18000, 19000), 1000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == n:
-            return found
-    raise SystemExit("no free ports in 18000-18999")
 
 
 def toml_value(v) -> str:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
-from peers import ROOT, ensure_wrk, free_port, run_wrk, start, start_redis
+from peers import ROOT, ensure_wrk, free_port, free_ports, run_wrk, start, start_redis
 
 from gateway.config.store import load_config
 from gateway.lab.workload.synthetic import generate
@@ -63,8 +63,9 @@ def pool_config(work: Path) -> tuple[Path, str]:
     from gateway.config.store import default_config_path
 
     text = default_config_path().read_text()
-    for old in sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text))):
-        text = text.replace(f"127.0.0.1:{old}\"", f"127.0.0.1:{free_port()}\"")
+    olds = sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text)))
+    for old, new in zip(olds, free_ports(len(olds)), strict=True):
+        text = text.replace(f"127.0.0.1:{old}\"", f"127.0.0.1:{new}\"")
     path = work / "pool.toml"
     path.write_text(text)
     return path, text
@@ -193,7 +194,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def run_n(n: int, args, work: Path, pool_text: str, redis_url: str, wrk: str, haproxy: str) -> dict:
     logs = Path(tempfile.mkdtemp(prefix=f"n{n}-", dir=work))  # one per run: rounds repeat every N
     prefix = f"replicas-{n}-{os.urandom(4).hex()}:"
-    ports = [free_port() for _ in range(n)]
+    *ports, front = free_ports(n + 1)
     configs = [replica_config(logs, pool_text, k, p, redis_url, prefix, args.limit_usd) for k, p in enumerate(ports)]
     procs: list[subprocess.Popen] = []
     try:
@@ -201,7 +202,6 @@ def run_n(n: int, args, work: Path, pool_text: str, redis_url: str, wrk: str, ha
             procs.append(start(f"replica-{k}", [str(ROOT / ".venv/bin/routebalance"), "--log-level", "WARNING",
                                                 "serve", "--config", str(config)], port, logs, "/health/ready",
                                timeout_s=180))
-        front = free_port()
         procs.append(start("haproxy", [haproxy, "-db", "-f", str(haproxy_config(logs, front, ports))], front, logs,
                            "/health"))
         url = f"http://127.0.0.1:{front}/v1/chat/completions"
@@ -245,11 +245,11 @@ def main() -> None:
         work = Path(tmp)
         pool_path, pool_text = pool_config(work)
         first_port = int(re.search(r'url = "http://127\.0\.0\.1:(\d+)"', pool_text).group(1))
-        redis_port = free_port()
         infra = [start("emulator", [str(ROOT / ".venv/bin/routebalance"), "--log-level", "WARNING", "emulate",
                                     "--config", str(pool_path)], first_port, work, "/health")]
         try:
-            redis, redis_url = start_redis(redis_server, redis_port, tmp)
+            # its port chosen once the emulator holds the pool's, so it cannot be one of theirs
+            redis, redis_url = start_redis(redis_server, free_port(), tmp)
             infra.append(redis)
             for round_ in range(args.rounds):  # N = 1, 2, 3, 1, 2, 3, ...: drift hits every N alike
                 for n in range(1, args.replicas + 1):

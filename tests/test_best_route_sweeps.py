@@ -24,9 +24,11 @@ def test_the_frontier_rerun_is_the_frontiers_own_best_route_cells_and_their_part
 
 
 def test_every_pair_of_the_reruns_names_cells_they_have():
-    for name, n in (("best_route", 100), ("best_route_labelled", 100)):
-        cells = catalog.SWEEPS[name](n)
-        pairs = catalog.PAIRS[name](cells)
+    reruns = {"best_route": catalog.SWEEPS["best_route"](100),
+              "best_route_labelled": catalog.ON_CAPACITY["best_route_labelled"][0](100, 18.95),
+              "avengers_labelled": catalog.ON_CAPACITY["avengers_labelled"][0](100, 18.95)}
+    for name, cells in reruns.items():
+        pairs = (catalog.PAIRS[name] if name in catalog.PAIRS else catalog.ON_CAPACITY[name][1])(cells)
         assert pairs
         for p in pairs:
             a = [c for c in cells if matches(c, p.a)]
@@ -35,7 +37,9 @@ def test_every_pair_of_the_reruns_names_cells_they_have():
 
 
 def test_the_real_label_rerun_replays_the_labelled_sweeps_cells():
-    mine = catalog.SWEEPS["best_route_labelled"](labelled_sweep.REQUESTS)
+    make_cells, _, probe = catalog.ON_CAPACITY["best_route_labelled"]
+    assert probe is catalog.ON_CAPACITY["labelled"][2]  # the same seeded probe sets the same capacity
+    mine = make_cells(labelled_sweep.REQUESTS, 18.95)
     theirs = labelled_sweep.cells(labelled_sweep.REQUESTS, 18.95)
     key = {(c.system, c.label, c.tags["load"]): c.spec for c in theirs}
     assert [(c.system, c.tags["load"]) for c in mine] == [
@@ -43,3 +47,18 @@ def test_the_real_label_rerun_replays_the_labelled_sweeps_cells():
     for c in mine:
         assert key[(c.system, c.label, c.tags["load"])] == c.spec
     assert catalog.REQUESTS["best_route_labelled"] == labelled_sweep.REQUESTS == best_route_labelled.REQUESTS
+
+
+def test_the_avengers_rerun_runs_the_whole_grid_beside_the_labelled_sweeps_quality_preset():
+    mine = catalog.ON_CAPACITY["avengers_labelled"][0](labelled_sweep.REQUESTS, 18.95)
+    theirs = {(c.system, c.label, c.tags["load"]): c.spec for c in labelled_sweep.cells(labelled_sweep.REQUESTS, 18.95)}
+    for load in labelled_sweep.LOADS:
+        here = [c for c in mine if c.tags["load"] == load]
+        assert {c.label for c in here if c.system == "avengers"} == {
+            f"p_w={pw}+shortest_queue" for pw in sweeps.AVENGERS_WEIGHTS}
+        assert len({c.spec.arrivals.rate for c in here}) == 1  # one load, one rate
+        preset = next(c for c in here if c.system == "routebalance")
+        assert theirs[("routebalance", "quality", load)] == preset.spec
+        # the paper setting's cell is the labelled sweep's own
+        ours = next(c for c in here if c.label == "p_w=0.53+shortest_queue")
+        assert theirs[("avengers", "p_w=0.53+shortest_queue", load)] == ours.spec

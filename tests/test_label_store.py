@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 
 import pytest
@@ -228,6 +229,36 @@ def test_the_writer_gathers_labels_offered_close_together_into_one_transaction_a
     assert flushed and stored_at_flush == 40
     assert len(transactions) <= 2 and sum(transactions) == 40
 
+
+
+def test_a_flush_gives_up_at_its_timeout_when_the_writer_is_stuck():
+    """A refresh must not hang on a disk that does not answer: flush returns False at its bound."""
+    store = LabelStore.in_memory()
+    gate = threading.Event()
+    add_many = store.add_many
+
+    def stuck(labels):
+        gate.wait(10)
+        return add_many(labels)
+
+    store.add_many = stuck  # type: ignore[method-assign]
+
+    async def scenario():
+        writer = LabelWriter(store, capacity=10, count=lambda outcome, n: None)
+        task = asyncio.create_task(writer.run())
+        writer.offer(length("p", A, 1))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        flushed = await writer.flush(timeout_s=0.5)
+        waited = loop.time() - started
+        gate.set()
+        again = await writer.flush(timeout_s=5)  # once the disk answers, the same label is waited for
+        task.cancel()
+        return flushed, waited, again
+
+    flushed, waited, again = asyncio.run(scenario())
+    assert not flushed and 0.5 <= waited < 3
+    assert again and store.rows == 1
 
 # ---- the export ---------------------------------------------------------------------------------
 

@@ -84,7 +84,8 @@ def test_trace_arrivals_are_the_traces_own_gaps_in_order(azure):
     assert len(start) == 1
 
 
-@pytest.mark.parametrize("trace, synthetic", [("qlm_trace", "qlm"), ("qos_trace", "qos")])
+@pytest.mark.parametrize("trace, synthetic", [("qlm_trace", "qlm"), ("qos_trace", "qos"),
+                                              ("qlm_multi_trace", "qlm_multi"), ("qos_fair_trace", "qos_fair")])
 def test_the_trace_sweeps_rerun_synthetic_cells_with_only_the_arrivals_changed(azure, trace, synthetic):
     from gateway.lab.experiments.catalog import PAIRS, SWEEPS
     from gateway.lab.experiments.sweeps import _identity, _matches

@@ -145,6 +145,8 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--requests", type=int, default=3534, help="held-out prompts per cell (paper: 3,534)")
     p.add_argument("--seeds", type=int, default=1, help="arrival seeds per cell (figures are their mean)")
     p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--out", type=Path, help="also write the table as CSV here (the docs' calibration page reads "
+                                            "loadtest/results/calibration.csv)")
 
     p = sub.add_parser("train-policy", help="train a learned routing policy in the simulator and export it "
                                             "(qos-rl: soft actor-critic -> ONNX; needs the [train] extra)")
@@ -439,6 +441,8 @@ def cmd_calibrate(args) -> int:
 
     checks = calibrate.run(str(args.config), args.requests, args.seeds, args.workers)
     print(calibrate.table(checks))
+    if args.out is not None:
+        calibrate.write_csv(checks, args.out)
     missed = [c.target.what for c in checks if not c.ok]
     print(f"{len(checks) - len(missed)} of {len(checks)} targets met" + (f"; missed: {'; '.join(missed)}" if missed
                                                                         else ""))

@@ -21,7 +21,6 @@ BATCH = 256  # labels per transaction: one commit for many labels while traffic 
 # A label that finds fewer than a batch queued waits this long for the next ones to share its transaction:
 # taken one at a time, every answer cost a commit and a hand-off to a thread.
 GATHER_S = 0.2
-FLUSH_POLL_S = 0.02
 
 
 class LabelWriter:
@@ -36,6 +35,7 @@ class LabelWriter:
         self._closed = False
         self._offered = 0  # labels queued so far
         self._settled = 0  # of those, labels whose write has finished (written, or failed and counted)
+        self._settled_changed = asyncio.Condition()
 
     @property
     def queued(self) -> int:
@@ -57,11 +57,11 @@ class LabelWriter:
         """Wait until the labels queued before this call are written (at most `timeout_s`): what a refresh
         reads then includes the answers served before it. False when the time ran out."""
         target = self._offered
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._settled < target:
-            if asyncio.get_running_loop().time() >= deadline:
-                return False
-            await asyncio.sleep(FLUSH_POLL_S)
+        try:
+            async with asyncio.timeout(timeout_s), self._settled_changed:
+                await self._settled_changed.wait_for(lambda: self._settled >= target)
+        except TimeoutError:
+            return False
         return True
 
     async def run(self) -> None:
@@ -78,6 +78,8 @@ class LabelWriter:
                 self._settled += len(batch)
                 for _ in batch:
                     self._queue.task_done()
+                async with self._settled_changed:
+                    self._settled_changed.notify_all()
 
     async def _write(self, batch: list[Label]) -> None:
         try:

@@ -154,9 +154,12 @@ def check(all_targets: Sequence[Target], rows: Mapping[str, dict], always: Mappi
     return [Check(t, achieved(t, rows, always), *t.bounds(slack)) for t in all_targets]
 
 
-def table(checks: Sequence[Check]) -> str:
-    """Markdown: target, paper, accepted interval, ours, within."""
-    lines = ["| target | paper | accepted | ours | within |", "|---|---|---|---|---|"]
+COLUMNS = ("target", "paper", "accepted", "ours", "within")
+
+
+def table_rows(checks: Sequence[Check]) -> list[dict[str, str]]:
+    """Target, paper, accepted interval, ours, within: one row per check, formatted."""
+    out = []
     for c in checks:
         t = c.target
         pct = t.is_share or t.figure.startswith("speedup:")
@@ -165,9 +168,25 @@ def table(checks: Sequence[Check]) -> str:
             return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
 
         paper = f"{fmt(t.paper[0])}-{fmt(t.paper[1])}" if isinstance(t.paper, tuple) else fmt(t.paper)
-        ours = "not run" if c.value is None else fmt(c.value)
-        lines.append(f"| {t.what} | {paper} | {fmt(c.lo)}-{fmt(c.hi)} | {ours} | {'yes' if c.ok else 'NO'} |")
+        out.append({"target": t.what, "paper": paper, "accepted": f"{fmt(c.lo)}-{fmt(c.hi)}",
+                    "ours": "not run" if c.value is None else fmt(c.value), "within": "yes" if c.ok else "NO"})
+    return out
+
+
+def table(checks: Sequence[Check]) -> str:
+    """Markdown: target, paper, accepted interval, ours, within."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row[k] for k in COLUMNS) + " |" for row in table_rows(checks)]
     return "\n".join(lines)
+
+
+def write_csv(checks: Sequence[Check], path) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table_rows(checks))
 
 
 def run(config_path: str, requests: int, seeds: int = 1, workers: int = 2, slack: float = 1.0,

@@ -403,8 +403,8 @@ def eldr(rows: list[dict], out_dir: Path) -> list[Path]:
     fig.tight_layout(rect=(0, 0, 1, 0.82))
     paths = [_save(fig, out_dir / "eldr.png")]
 
-    # eldr_tau.png: one row per traffic mix (moe: the usual; moe-kind: half the traffic one kind), each
-    # signature's tau curve, and every other system as a flat reference at its own setting
+    # eldr_tau.png: one row per pool (moe: the kind+subdomain world; its signature arms; moe-kind: the kind-only
+    # world), each signature's tau curve, and every other system as a flat reference at its own setting
     at = [r for r in rows if r["rate"] == TAU_RATE]
     mixes = list(dict.fromkeys(r["pool"].split("/")[0] for r in at))
     taus = sorted({r["tau"] for r in at if r["label"] in ELDR_COLOURS})
@@ -429,8 +429,8 @@ def eldr(rows: list[dict], out_dir: Path) -> list[Path]:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=(len(labels) + 1) // 2, fontsize=9,
                bbox_to_anchor=(0.5, 0.965))
-    fig.suptitle(f"ELDR's locality band at {TAU_RATE:g} req/s: moe, the usual mix; moe-kind, half the traffic one "
-                 "kind; the flat lines are the other systems at their own setting; 95% intervals", fontsize=10,
+    fig.suptitle(f"ELDR's locality band at {TAU_RATE:g} req/s: moe, the kind+subdomain world; moe-kind, the kind-only "
+                 "world; the flat lines are the other systems at their own setting; 95% intervals", fontsize=10,
                  y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 0.88))
     return [*paths, _save(fig, out_dir / "eldr_tau.png")]

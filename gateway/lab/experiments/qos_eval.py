@@ -37,7 +37,8 @@ ms and the headline 50 ms. Baseline RL runs twice: as trained, the drop
 action open, and trained and run with it masked (`baseline-rl-nodrop`). The
 trained actors are read from FAIR_ACTORS (paths and options; `actors=` takes
 others) and run in the `qos-rl` policy, whose ONNX loader they fit. Pool
-kinds are tagged `pool_kind`.
+kinds are tagged `pool_kind`. `qos_fair_trace` (`--sweep qos_fair_trace`): the same at the headline
+L with the Azure trace's arrivals.
 
 `bench_decisions` times a policy's decisions per request (the figure behind
 its `compute_s`).
@@ -126,8 +127,8 @@ def qos_trace(requests: int) -> list[Cell]:
 
 def qos_fair(requests: int, cfg=None, actors: dict[str, dict] | None = None,
              bounds_ms: Sequence[float] = FAIR_BOUNDS_MS, systems: Sequence[str] = FAIR_SYSTEMS,
-             pools: Sequence[str] = FAIR_POOLS) -> list[Cell]:
-    """Every system on the qos-similar pool and on the four-tier pool of HEADLINE_N, Poisson arrivals at
+             pools: Sequence[str] = FAIR_POOLS, kind: str = "poisson") -> list[Cell]:
+    """Every system on the qos-similar pool and on the four-tier pool of HEADLINE_N, arrivals of `kind` at
     FAIR_RATE_PER_INSTANCE x N, at each bound (module docstring)."""
     if cfg is None:
         from gateway.config.store import default_config_path, load_config
@@ -138,7 +139,7 @@ def qos_fair(requests: int, cfg=None, actors: dict[str, dict] | None = None,
     similar_sources = [next(i.name for i in cfg.instances if i.model == m) for m in dict.fromkeys(QOS_SIMILAR_ANSWERS)]
     cells = []
     for pool in pools:
-        arr = ArrivalSpec("poisson", rate_for(HEADLINE_N, FAIR_RATE_PER_INSTANCE[pool]))
+        arr = ArrivalSpec(kind, rate_for(HEADLINE_N, FAIR_RATE_PER_INSTANCE[pool]))
         for bound in bounds_ms:
             # Every cell carries `instances` (write_sweep's per-seed file takes the first row's columns): a
             # similar-pool cell names the instances whose answers its experts give, which hold the columns
@@ -148,6 +149,11 @@ def qos_fair(requests: int, cfg=None, actors: dict[str, dict] | None = None,
             tags = {**place, "pool_kind": pool, "n": HEADLINE_N, "tpot_slo_ms": bound}
             cells += [_cell(s, arr, requests, bound, names, tags, actors) for s in systems]
     return cells
+
+
+def qos_fair_trace(requests: int) -> list[Cell]:
+    """The fair comparison at the headline bound with the Azure trace's arrivals."""
+    return qos_fair(requests, bounds_ms=(HEADLINE_MS,), kind="azure")
 
 
 def fair_pairs(cells: Sequence[Cell]) -> list[Pair]:

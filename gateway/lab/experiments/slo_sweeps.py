@@ -41,6 +41,10 @@ throughput the cap costs, and what attainment it buys.
 auto) with the Azure LLM inference trace's arrivals (arrivals.py) at the same
 rates: the same prompts, SLO mix and systems, only the arrival times differ.
 
+    routebalance sim --sweep qlm_multi_trace
+
+`qlm_multi`'s W_A and W_C on W_A at the middle tail share, likewise on the trace's arrivals.
+
     routebalance sim --sweep qlm_heads
 
 QLM planning with its completion-time estimator fed by the TPOT heads
@@ -177,12 +181,12 @@ def qlm_cap_pairs(cells: Sequence[Cell]) -> list[Pair]:
     return pairs
 
 
-def _multi(workload: str, tail: float, n: int, mega: float = 0.0) -> list[Cell]:
+def _multi(workload: str, tail: float, n: int, mega: float = 0.0, kind: str = "gamma") -> list[Cell]:
     """The four systems and the swap-aware FCFS on W_A at this tail share."""
     tags = {"workload": workload, "pool": "W_A", "tail": tail}
-    return [*_systems(workload, W_A_RATE, n, None, mega, w_a_mix(tail), tags),
-            Cell("swap_aware_fcfs", SWAP_AWARE, _spec("swap_aware_fcfs", W_A_RATE, n, None, mega, w_a_mix(tail)),
-                 tags=tags)]
+    return [*_systems(workload, W_A_RATE, n, None, mega, w_a_mix(tail), tags, kind),
+            Cell("swap_aware_fcfs", SWAP_AWARE,
+                 _spec("swap_aware_fcfs", W_A_RATE, n, None, mega, w_a_mix(tail), kind), tags=tags)]
 
 
 def qlm_multi(n: int) -> list[Cell]:
@@ -196,6 +200,12 @@ def qlm_multi(n: int) -> list[Cell]:
     return cells + _multi(W_C_ON_W_A, middle, n, MEGA_SHARE)
 
 
+def qlm_multi_trace(n: int) -> list[Cell]:
+    """W_A and the paper's W_C on it, at the middle tail share, with the Azure trace's arrivals."""
+    middle = W_A_TAIL_SHARES[1]
+    return _multi(W_A, middle, n, kind="azure") + _multi(W_C_ON_W_A, middle, n, MEGA_SHARE, kind="azure")
+
+
 def qlm_multi_pairs(cells: Sequence[Cell]) -> list[Pair]:
     pairs = []
     for workload, tail in dict.fromkeys((c.tags["workload"], c.tags["tail"]) for c in cells):
@@ -207,5 +217,6 @@ def qlm_multi_pairs(cells: Sequence[Cell]) -> list[Pair]:
         pairs.append(Pair(f"{SWAP_AWARE} vs round_robin (vLLM FCFS), {name} tail {tail:g}",
                           {"label": SWAP_AWARE, **at}, {"label": "round_robin (vLLM FCFS)", **at}, SLO_PAIRED))
     at = {"workload": W_A, "tail": W_A_TAIL_SHARES[1]}
+    labels = {c.label for c in cells}
     return pairs + [Pair(f"qlm vs qlm {label}, W_A", {"label": "qlm", **at}, {"label": f"qlm, {label}", **at},
-                         SLO_PAIRED) for label, _ in W_A_ABLATION]
+                         SLO_PAIRED) for label, _ in W_A_ABLATION if f"qlm, {label}" in labels]
