@@ -68,7 +68,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-from peers import free_ports  # loadtest/, this script's directory
+from ports import free_ports  # loadtest/, this script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = "passthrough+round_robin"  # needs no estimators; --policy routebalance builds them (minutes)

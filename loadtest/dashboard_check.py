@@ -33,7 +33,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from peers import free_ports  # loadtest/, this script's directory
+from ports import free_ports  # loadtest/, this script's directory
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy/grafana/dashboards/routebalance.json"

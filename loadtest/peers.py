@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import uvloop
+from ports import free_ports  # loadtest/, this script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("vllm-router==0.1.17", "litellm[proxy]==1.108.7")
@@ -55,22 +55,6 @@ class Run:
     p50_ms: float
     p99_ms: float
     errors: int
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together while chosen, so none is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def peers_venv() -> Path:

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 import httpx
-from peers import ROOT, ensure_wrk, free_port, free_ports, run_wrk, start, start_redis
+from peers import ROOT, ensure_wrk, run_wrk, start, start_redis
+from ports import free_port, free_ports
 
 from gateway.config.store import load_config
 from gateway.lab.workload.synthetic import generate

@@ -37,6 +37,11 @@ TARGETS_MS = {"p50": 30.0, "p99": 100.0}
 MAX_REQUESTS = 10_000
 
 
+def result_name(arrivals: str) -> str:
+    """The results' file name (without extension) for an arrival process: other processes' beside Poisson's."""
+    return "residual" if arrivals == "poisson" else f"residual_{arrivals}"
+
+
 def histograms(text: str) -> dict[str, tuple[float, float, dict[float, float]]]:
     """name -> (count, sum, {upper bound: cumulative count}), summed over label sets."""
     wanted = {name for name, _, _ in STAGES}
@@ -141,7 +146,7 @@ def main() -> None:
         print(f"  {r['stage']:<26} per {r['per']:<7} mean {r['mean_ms']:7.2f} ms   p50 <= {r['p50_ms']:g} ms   "
               f"p99 <= {r['p99_ms']:g} ms   ({r['count']:.0f})")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "residual" if args.arrivals == "poisson" else f"residual_{args.arrivals}"  # beside Poisson's
+    name = result_name(args.arrivals)
     (args.out / f"{name}.json").write_text(json.dumps({"rate": args.rate, "seconds": args.seconds,
                                                        "arrivals": arrivals.label(), "seed": args.seed, "served": ok,
                                                        "failed": failed, "stages": list(rows.values())}, indent=1))

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 import psutil
-from routed_efficiency import ROOT, gateway_cpu_s, wait_ready  # loadtest/, this script's directory
+from residual import result_name  # loadtest/, this script's directory
+from routed_efficiency import ROOT, gateway_cpu_s, wait_ready
 
 from gateway.config.store import default_config_path, load_config
 from gateway.lab.experiments.embedder_frontier import option_config, option_models_dir
@@ -103,7 +104,7 @@ def main() -> None:
             finally:
                 stop(gateway)
             wall = after[2] - before[2]
-            result = json.loads((out / ("residual.json" if kind == "poisson" else f"residual_{kind}.json")).read_text())
+            result = json.loads((out / f"{result_name(kind)}.json").read_text())
             stages = {s["stage"]: s for s in result["stages"]}
             decision = stages["arrival to decision"]
             rows.append({"option": name, "arrivals": kind, "seed": seed, "gateway_cores": (after[0] - before[0]) / wall,

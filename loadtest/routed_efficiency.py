@@ -50,7 +50,8 @@ import aiohttp
 import httpx
 import numpy as np
 import psutil
-from peers import every_worker, free_ports, start_redis  # loadtest/, this script's directory
+from peers import every_worker, start_redis  # loadtest/, this script's directory
+from ports import free_ports
 from progressive_compare import held_out
 from residual import histograms, summary
 

@@ -230,7 +230,6 @@ def test_the_writer_gathers_labels_offered_close_together_into_one_transaction_a
     assert len(transactions) <= 2 and sum(transactions) == 40
 
 
-
 def test_a_flush_gives_up_at_its_timeout_when_the_writer_is_stuck():
     """A refresh must not hang on a disk that does not answer: flush returns False at its bound."""
     store = LabelStore.in_memory()

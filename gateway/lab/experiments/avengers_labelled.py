@@ -13,20 +13,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.lab.experiments import labelled_sweep
+from gateway.lab.experiments.labelled_sweep import DISPATCHER
 from gateway.lab.experiments.sweeps import AVENGERS_WEIGHTS, Cell, Pair, _avengers
-from gateway.lab.sim.arrivals import ArrivalSpec
 
 REQUESTS = labelled_sweep.REQUESTS
-DISPATCHER = "shortest_queue"  # the labelled sweep's
 
 
 def cells(n: int, capacity: float) -> list[Cell]:
     """The quality preset's cells of the labelled sweep, and Avengers-Pro at every p_w of the grid."""
     out = [c for c in labelled_sweep.cells(n, capacity) if c.system == "routebalance" and c.label == "quality"]
-    for c in list(out):
-        rate = c.spec.arrivals.rate
+    for c in list(out):  # at each load, the grid on the preset's own arrivals
         out += [Cell(a.system, a.label, a.spec, a.config_changes, dict(c.tags))
-                for a in (_avengers(pw, DISPATCHER, ArrivalSpec(rate=rate), n) for pw in AVENGERS_WEIGHTS)]
+                for a in (_avengers(pw, DISPATCHER, c.spec.arrivals, n) for pw in AVENGERS_WEIGHTS)]
     return out
 
 

@@ -175,7 +175,7 @@ def table_rows(checks: Sequence[Check]) -> list[dict[str, str]]:
 
 def table(checks: Sequence[Check]) -> str:
     """Markdown: target, paper, accepted interval, ours, within."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---|---|---|---|"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row[k] for k in COLUMNS) + " |" for row in table_rows(checks)]
     return "\n".join(lines)
 

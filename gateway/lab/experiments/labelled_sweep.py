@@ -32,6 +32,7 @@ REQUESTS = 1900
 LOADS = (0.3, 0.6, 0.9)  # shares of the measured capacity
 OVERLOAD_RATE = 64.0  # req/s offered while capacity is measured: over three times the default pool's here
 PROBE_PASSES = 5  # the probe replays this many times a cell's requests, so its queues stay long
+DISPATCHER = "shortest_queue"  # how the baselines pick an instance of their model (and the probe dispatches)
 PRESETS = ("cost", "uniform", "quality")
 MIXES = {"mix 0.8:0.2": (0.8, 0.0, 0.2), "mix 0.5:0.5": (0.5, 0.0, 0.5), "mix 0.2:0.8": (0.2, 0.0, 0.8)}
 SINGLE = {"always 7B": "Qwen/Qwen2.5-7B-Instruct", "always 14B": "Qwen/Qwen2.5-14B-Instruct", "always 72B": BIGGEST}
@@ -39,7 +40,7 @@ SINGLE = {"always 7B": "Qwen/Qwen2.5-7B-Instruct", "always 14B": "Qwen/Qwen2.5-1
 
 def capacity_cell(n: int) -> Cell:
     """Served requests per second over the run is the capacity when far more arrives than is served."""
-    return _passthrough("shortest_queue", ArrivalSpec(rate=OVERLOAD_RATE), PROBE_PASSES * n)
+    return _passthrough(DISPATCHER, ArrivalSpec(rate=OVERLOAD_RATE), PROBE_PASSES * n)
 
 
 def cells(n: int, capacity: float, loads: Sequence[float] = LOADS) -> list[Cell]:
@@ -50,9 +51,9 @@ def cells(n: int, capacity: float, loads: Sequence[float] = LOADS) -> list[Cell]
         tags = {"load": load}
         group = [_rb(label, RB_WEIGHTS[label], rate, n) for label in PRESETS]
         group += [_rb(label, w, rate, n) for label, w in MIXES.items()]
-        group += [_passthrough("shortest_queue", arr, n), _avengers(0.53, "shortest_queue", arr, n),
-                  _best_route(0.5, "shortest_queue", arr, n)]
-        group += [Cell("single_model", label, CellSpec("passthrough+shortest_queue", arrivals=arr, requests=n,
+        group += [_passthrough(DISPATCHER, arr, n), _avengers(0.53, DISPATCHER, arr, n),
+                  _best_route(0.5, DISPATCHER, arr, n)]
+        group += [Cell("single_model", label, CellSpec(f"passthrough+{DISPATCHER}", arrivals=arr, requests=n,
                                                        model=model)) for label, model in SINGLE.items()]
         out += [Cell(c.system, c.label, c.spec, c.config_changes, {**c.tags, **tags}) for c in group]
     return out
@@ -76,5 +77,5 @@ def pairs(cells: Sequence[Cell]) -> list[Pair]:
                 Pair(f"quality preset vs BEST-Route @{load:g}", rb("quality"),
                      {"system": "best_route", "load": load}, figures),
                 Pair(f"uniform vs passthrough shortest_queue @{load:g}", rb("uniform"),
-                     {"system": "passthrough", "label": "shortest_queue", "load": load}, figures)]
+                     {"system": "passthrough", "label": DISPATCHER, "load": load}, figures)]
     return out

@@ -403,8 +403,8 @@ def eldr(rows: list[dict], out_dir: Path) -> list[Path]:
     fig.tight_layout(rect=(0, 0, 1, 0.82))
     paths = [_save(fig, out_dir / "eldr.png")]
 
-    # eldr_tau.png: one row per pool (moe: the kind+subdomain world; its signature arms; moe-kind: the kind-only
-    # world), each signature's tau curve, and every other system as a flat reference at its own setting
+    # eldr_tau.png: one row per world (moe and its signature pools: the kind+subdomain world; moe-kind: the
+    # kind-only world), each signature's tau curve, and every other system as a flat reference at its own setting
     at = [r for r in rows if r["rate"] == TAU_RATE]
     mixes = list(dict.fromkeys(r["pool"].split("/")[0] for r in at))
     taus = sorted({r["tau"] for r in at if r["label"] in ELDR_COLOURS})
