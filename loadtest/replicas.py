@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 from peers import ROOT, ensure_wrk, run_wrk, start, start_redis
-from ports import free_port, free_ports
+from ports import free_port, free_ports, move_pool, pool_ports
 
 from gateway.config.store import load_config
 from gateway.lab.workload.synthetic import generate
@@ -64,9 +64,7 @@ def pool_config(work: Path) -> tuple[Path, str]:
     from gateway.config.store import default_config_path
 
     text = default_config_path().read_text()
-    olds = sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text)))
-    for old, new in zip(olds, free_ports(len(olds)), strict=True):
-        text = text.replace(f"127.0.0.1:{old}\"", f"127.0.0.1:{new}\"")
+    text = move_pool(text, free_ports(len(pool_ports(text))))
     path = work / "pool.toml"
     path.write_text(text)
     return path, text
@@ -245,7 +243,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rb-replicas-") as tmp:
         work = Path(tmp)
         pool_path, pool_text = pool_config(work)
-        first_port = int(re.search(r'url = "http://127\.0\.0\.1:(\d+)"', pool_text).group(1))
+        first_port = int(pool_ports(pool_text)[0])
         infra = [start("emulator", [str(ROOT / ".venv/bin/routebalance"), "--log-level", "WARNING", "emulate",
                                     "--config", str(pool_path)], first_port, work, "/health")]
         try:

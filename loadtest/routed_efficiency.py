@@ -51,12 +51,13 @@ import httpx
 import numpy as np
 import psutil
 from peers import every_worker, start_redis  # loadtest/, this script's directory
-from ports import free_ports
+from ports import free_ports, move_pool
 from progressive_compare import held_out
 from residual import histograms, summary
 
 from gateway.config.store import default_config_path, load_config
 from gateway.estimators.bundle import Estimators
+from gateway.lab.experiments.embedder_frontier import option_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_LABELS = ROOT.parent / "shared" / "data" / "real-labels" / "zeroeval_crux_math_dev.jsonl"
@@ -83,17 +84,10 @@ def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
 
 def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | None,
                    threads: int | None = None) -> Path:
-    text = default_config_path().read_text()
-    urls = sorted(set(re.findall(r'url = "http://127\.0\.0\.1:(\d+)"', text)))
-    if len(urls) > len(backends):
-        sys.exit(f"the pool has {len(urls)} instance ports, the backend serves {len(backends)}")
-    for old, new in zip(urls, backends, strict=False):
-        text = text.replace(f'127.0.0.1:{old}"', f'127.0.0.1:{new}"')
+    text = move_pool(default_config_path().read_text(), backends)
     text = re.sub(r"(?m)^port = 8000$", f"port = {port}", text, count=1)
-    text = text.replace('models_dir = "models"', f'models_dir = "{ROOT / "models"}"', 1)
-    text = re.sub(r"(?m)^embed_cache_entries = \d+$", "embed_cache_entries = 0", text, count=1)
-    if threads is not None:
-        text = re.sub(r"(?m)^threads = \d+$", f"threads = {threads}", text, count=1)
+    text = option_config(text, str(ROOT / "models"),
+                         {"embed_cache_entries": 0, **({"threads": threads} if threads is not None else {})})
     text = text.replace('path = "data/labels.db"', f'path = "{work / "labels.db"}"', 1)
     state = f'backend = "redis"\nurl = "{redis_url}"\nprefix = "efficiency:"' if redis_url else \
         f'backend = "sqlite"\npath = "{work / "state.db"}"'

@@ -57,9 +57,9 @@ def rule_cells(n: int) -> dict:
     return {rule: cells[label] for rule, label in RULES.items()}
 
 
-def _plans(cfg, ev, cell, seed: int = 0):
+def _plans(cfg, ev, cell):
     """The cell's plans, as the simulator makes them (Simulation.__init__)."""
-    spec = dataclasses.replace(cell.spec, seed=seed, requests=len(ev))
+    spec = dataclasses.replace(cell.spec, requests=len(ev))
     if megas(spec, len(ev)).any():  # the only seeded input of the plan; progressive cells carry none
         raise ValueError("progressive cells carry no mega prompts")
     cfg = configured(cfg, cell.config_changes)
