@@ -144,6 +144,14 @@ class TokenCounter:
             return len(self._encode(text))
         return estimate_tokens(text)
 
+    def ids(self, text: str) -> list[int] | None:
+        """The token ids of `text` (None without the tokenizer: no estimate stands in for ids)."""
+        return self._encode(text) if self._encode is not None else None
+
+    def chat_ids(self, messages: Sequence, tools: Sequence = ()) -> list[int] | None:
+        """The token ids of the prompt the chat template makes (None without the tokenizer)."""
+        return self._encode(render_chat(messages, tools)) if self._encode is not None else None
+
     def count_chat(self, messages: Sequence, tools: Sequence = ()) -> int:
         """Tokens of the prompt the chat template makes, generation prompt and function signatures included."""
         if self._encode is not None:

@@ -6,6 +6,7 @@
     python loadtest/routed_efficiency.py --rate 30           # Poisson arrivals at 30 req/s instead of saturation
     python loadtest/routed_efficiency.py --prompts 300 --sets synthetic
     python loadtest/routed_efficiency.py --workers 1,2 --threads 1   # two estimating workers of one thread each
+    python loadtest/routed_efficiency.py --prefix-cache off          # without the prefix index (A/B its cost)
 
 Per prompt set (held-out synthetic prompts; the real-label prompts of ../shared/data/real-labels/), never
 pooled, on the same prompts and the same cores:
@@ -83,8 +84,10 @@ def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
 
 
 def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | None,
-                   threads: int | None = None) -> Path:
+                   threads: int | None = None, prefix_cache: str | None = None) -> Path:
     text = move_pool(default_config_path().read_text(), backends)
+    if prefix_cache is not None:
+        text = text.replace('prefix_cache = "approximate"', f'prefix_cache = "{prefix_cache}"', 1)
     text = re.sub(r"(?m)^port = 8000$", f"port = {port}", text, count=1)
     text = option_config(text, str(ROOT / "models"),
                          {"embed_cache_entries": 0, **({"threads": threads} if threads is not None else {})})
@@ -263,7 +266,7 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
             redis, redis_url = start_redis(binary, redis_port, work)
             procs.append(redis)
             time.sleep(0.5)
-        config = gateway_config(work, port, backends, redis_url, args.threads)
+        config = gateway_config(work, port, backends, redis_url, args.threads, args.prefix_cache)
         gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(config), "--workers", str(workers)], cwd=ROOT)
         procs.append(gateway)
@@ -339,6 +342,9 @@ def main() -> None:
                                                    "(CPU per request at a given load; req/s is then the offered rate)")
     parser.add_argument("--threads", type=int, help="[estimators] threads of the gateway and of the embedder alone "
                                                     "(default: the config's)")
+    parser.add_argument("--prefix-cache", choices=("approximate", "events", "off"),
+                        help="[scheduler] prefix_cache of the gateway (default: the config's, approximate): off "
+                             "measures the routed path without hashing prompts or reading the prefix index")
     parser.add_argument("--profile", action="store_true",
                         help="sample the gateway with py-spy during each routed run and print where its CPU goes")
     args = parser.parse_args()
@@ -359,6 +365,7 @@ def main() -> None:
         suffix = "" if counts == [1] else "-w" + "-".join(map(str, counts))
         suffix += f"-r{args.rate:g}" if args.rate else ""
         suffix += f"-t{args.threads}" if args.threads else ""
+        suffix += f"-prefix-{args.prefix_cache}" if args.prefix_cache else ""
         out = ROOT / "loadtest" / "results" / f"routed_efficiency{suffix}.json"
         out.write_text(json.dumps({"cores": os.cpu_count(), "concurrency": None if args.rate else args.concurrency,
                                    "rate": args.rate, "prompts": args.prompts,

@@ -194,7 +194,9 @@ def test_both_drivers_of_the_loop_make_the_same_decisions(sim, tmp_path, policy,
     RouteBalance runs its static-prior arm, whose score depends on the estimates and the pool's
     queues only, so both drivers see the same inputs."""
     cfg, est, _ = sim
-    path = pool_config(tmp_path, cfg.estimators.models_dir, scheduler={"policy": policy},
+    # The cache term off: every prompt shares the chat template's default system turn, so with it each would go
+    # where the first went, and the tie-breaks among a tier's idle instances, compared here, would not show.
+    path = pool_config(tmp_path, cfg.estimators.models_dir, scheduler={"policy": policy, "prefix_cache": "off"},
                        policies={"routebalance": {"latency_term": "prior"}})
     stack = Stack(path)
     n = 16

@@ -187,6 +187,37 @@ async def test_replicas_see_each_others_work_and_cooldowns_until_one_dies(server
         await sync.link.close()
 
 
+async def test_replicas_share_what_they_sent_where_so_a_conversation_finds_its_instance(server, tmp_path):
+    from gateway.core.pool_state import PoolState
+    from gateway.core.prefix import block_hashes
+    from gateway.state.prefixes import PrefixSync
+
+    path = stub_config(tmp_path, [Stub(), Stub()], state={"sync_interval_s": 0.05})
+    store = ConfigStore(path)
+    cfg = store.current
+    pools = [PoolState(), PoolState()]
+    syncs = [PrefixSync(RedisLink(server.url, "test:", 1.0), pool, store) for pool in pools]
+    a, b = pools
+    history = block_hashes(list(range(640)), 16)
+    turn = block_hashes(list(range(640)) + list(range(9000, 9100)), 16)
+    a.sent_prompt("stub-1", history, 1000)  # the conversation's first turn went through replica a
+    for sync in (*syncs, *syncs):
+        await sync.sync()
+    view = b.snapshot(cfg.instances, 0.0, 120.0, cfg.scheduler)  # its next turn reaches replica b
+    assert view.cached_tokens(turn, 740).tolist() == [0.0, 640.0]
+    assert len(a.sent_outbox) == 0 and len(b.sent_outbox) == 0  # b does not send a's prompts back
+    # A replica started later reads what the stream still holds: it starts warm.
+    late, late_sync = PoolState(), PrefixSync(RedisLink(server.url, "test:", 1.0), PoolState(), store)
+    late_sync.pool_state = late
+    await late_sync.sync()
+    assert late.snapshot(cfg.instances, 0.0, 120.0, cfg.scheduler).cached_tokens(turn, 740).tolist() == [0.0, 640.0]
+    # A malformed entry is skipped, not fatal.
+    await syncs[0].link.client.xadd(syncs[0].key, {"r": "someone", "p": b"not json"})
+    await syncs[1].sync()
+    for sync in (*syncs, late_sync):
+        await sync.link.close()
+
+
 # ---- two gateways behind one key ------------------------------------------------------------
 
 PRICE_IN, PRICE_OUT = per_token(0.2), per_token(0.4)  # stub_instance's prices

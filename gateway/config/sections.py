@@ -158,6 +158,9 @@ class ApiKey(Section):
     tpot_slo_ms: float | None = option(None, gt=0)  # time-per-output-token bound of its requests that name none
     # false: its traffic stays out of learning ([learning]): no answer lengths stored, feedback refused (403).
     learn: bool = True
+    # true: its prompts are cached apart from every other key's (vLLM's `cache_salt`, sent per request), so no
+    # other tenant can time its cached prompts, and the gateway's prefix index keeps them apart too.
+    cache_salt: bool = False
 
     def _validate(self) -> None:
         if not _SHA256.fullmatch(self.sha256):
@@ -344,6 +347,14 @@ class SchedulerConfig(Section):
     presets: Mapping[str, Weights] = option(factory=lambda: DEFAULT_PRESETS)
     # Preset -> the policy its requests use when they name none (a preset not listed: `policy`).
     preset_policies: Mapping[str, str] = option(factory=lambda: types.MappingProxyType({}))
+    # What the gateway knows of each instance's prefix cache (core/prefix.py): "approximate", what it sent where;
+    # "events", the instances' KV-cache events where they publish them (`kv_events`), else approximate; "off",
+    # nothing (the instances still cache; Eq. 1's latency is then the paper's, decode only).
+    prefix_cache: Literal["approximate", "events", "off"] = "approximate"
+    prefix_block_tokens: int = option(16, ge=1)  # the engines' KV block size (vLLM's --block-size)
+    # Most blocks indexed per instance (fewer when its KV capacity, vllm:cache_config_info, is smaller);
+    # about 104 bytes a block, so 13 instances at this bound take at most about 70 MB.
+    prefix_index_max_blocks: int = option(50_000, ge=1)
 
     def _validate(self) -> None:
         if self.policy not in registry.names():
@@ -571,6 +582,12 @@ class Instance(Section):
     # (gateway/lab/emulator/settings.py), and a gateway in front of a real server never looks at them.
     faults: Mapping[str, Any] = option(factory=lambda: types.MappingProxyType({}))
     moe: MoeConfig | None = None  # [instances.moe]: a mixture-of-experts model (emulated and simulated instances)
+    # It caches prompt prefixes (vLLM's default; false: served with --no-enable-prefix-caching). The emulator and
+    # the simulator obey it, and the gateway predicts no cache hit on an instance that does not cache.
+    prefix_caching: bool = True
+    # Where it publishes vLLM's KV-cache events (--kv-events-config's ZMQ endpoint, e.g. "tcp://10.0.0.5:5557");
+    # with [scheduler] prefix_cache = "events" the gateway reads them. An emulated instance publishes there.
+    kv_events: str | None = option(None, nonempty=True)
 
     def _validate(self) -> None:
         parts = urlsplit(self.url)

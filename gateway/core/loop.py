@@ -171,7 +171,7 @@ class SchedulingLoop:
 
     def view(self, cfg: CoreConfig, now: float) -> PoolView:
         """A working copy of what the pool state knows of the pool now."""
-        return self.pool_state.snapshot(cfg.instances, now, cfg.telemetry.stale_after_s)
+        return self.pool_state.snapshot(cfg.instances, now, cfg.telemetry.stale_after_s, cfg.scheduler)
 
     # ---- deciding (live: in the worker thread) -----------------------------------
     def decide(self, cfg: CoreConfig, batch: Sequence[Ticket], view: PoolView, estimate: EstimateFn) -> list[Decided]:
@@ -304,7 +304,8 @@ class SchedulingLoop:
         if first is not None:
             self._book(ticket, first.instance, now)
             if view is not None and ticket.decision is not None:
-                view.dispatched(first.instance, ticket.decision.tokens or 0.0, ticket.request.input_tokens)
+                view.dispatched(first.instance, ticket.decision.tokens or 0.0, ticket.request.input_tokens,
+                                ticket.request.prefix)
 
     def plans(self, ticket: Ticket, now: float) -> Iterator[DispatchPlan]:
         """The attempts for a decided request, best first, with its own budget (see `plan`)."""
@@ -369,6 +370,9 @@ class SchedulingLoop:
         self._unbook(ticket)
         tokens = ticket.decision.tokens if ticket.decision and ticket.decision.tokens else 0.0
         self.pool_state.of(name).dispatched(ticket, ticket.request.input_tokens, tokens, now, ticket.streaming)
+        scheduler = ticket.config.scheduler
+        if ticket.request.prefix and scheduler.prefix_cache != "off":
+            self.pool_state.sent_prompt(name, ticket.request.prefix, scheduler.prefix_index_max_blocks)
         ticket.booked_on = name
 
     def _unbook(self, ticket: Ticket) -> None:

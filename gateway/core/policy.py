@@ -131,6 +131,7 @@ class PolicyEntry:
     build: Callable[[PolicyContext], Policy]
     summary: str
     needs_estimates: bool = False  # whether serving it needs the built estimators
+    reads_prefixes: bool = False  # it reads the prefix index (PoolView.cached_tokens): prompts are hashed for it
 
 
 class PolicyCatalog(Protocol):

@@ -7,18 +7,29 @@ the view current. The same bookkeeping produces the TPOT heads' training
 features (lab/training/traces.py, lab/training/profile.py) and their serving
 features, so a head sees features computed one way.
 
+Each instance also has an index of the prompt prefixes it is believed to
+hold (core/prefix.py): what this gateway sent it ("approximate"), and, fed
+by its KV-cache events where it publishes them, what it reported
+("events"); the view takes the reported one while its event stream is
+healthy, else the approximate one, which is always kept, so a lost stream
+falls back at once.
+
 No clock is read here: every method takes `now`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gateway.core.budget import price_arrays
-from gateway.core.settings import HealthRules, InstanceSettings
+from gateway.core.engine.profiles import prefill_s_per_token
+from gateway.core.prefix import REPORTED_SLACK, PrefixIndex, ReportedBlocks
+from gateway.core.settings import HealthRules, InstanceSettings, SchedulerSettings
 from gateway.core.view import PoolView, tier_key
 
 
@@ -87,6 +98,9 @@ class EngineSnapshot:
     kv_usage: float  # 0..1, the mean over ranks
     generation_tokens: float  # cumulative counter
     prompt_tokens: float
+    num_gpu_blocks: int = 0  # its KV capacity in blocks (vllm:cache_config_info); 0: not known
+    prefix_queries: float = 0.0  # cumulative prompt tokens looked up in its prefix cache (vllm:prefix_cache_queries)
+    prefix_hits: float = 0.0  # of which it found cached (vllm:prefix_cache_hits)
 
 
 NO_SCRAPE = EngineSnapshot(0, 0, 0, 0, 0)
@@ -130,6 +144,10 @@ class InstanceState:
     in_flight: dict = field(default_factory=dict)
     others: Share = NO_SHARE
     others_cooldown_until: float = 0.0  # another replica saw it fail: not routable before then
+    sent: PrefixIndex | None = None  # the prompt blocks this gateway sent it (made on first use)
+    reported: ReportedBlocks | None = None  # the blocks its KV-cache events say it holds (made by the reader)
+    events_ok: bool = False  # its event stream is healthy: `reported` is the index to read
+    kv_blocks: int = 0  # its KV capacity in blocks, from its metrics (0: not known yet)
 
     def routable(self, now: float) -> bool:
         return self.health.routable(now) and now >= self.others_cooldown_until
@@ -140,6 +158,12 @@ class InstanceState:
         return max(self.health.cooldown_until, self.others_cooldown_until)
 
     def scraped(self, snap: EngineSnapshot, now: float) -> None:
+        if snap.num_gpu_blocks and snap.num_gpu_blocks != self.kv_blocks:
+            self.kv_blocks = snap.num_gpu_blocks
+            if self.sent is not None:
+                self.sent.resize(min(self.sent.capacity, snap.num_gpu_blocks))
+            if self.reported is not None:
+                self.reported.resize(min(self.reported.index.capacity, REPORTED_SLACK * snap.num_gpu_blocks))
         if self.last is not None and now > self.last_at:
             self.decode_rate = max(0.0, (snap.generation_tokens - self.last.generation_tokens) / (now - self.last_at))
         self.last, self.last_at = snap, now
@@ -154,6 +178,23 @@ class InstanceState:
 
     def done(self, rid) -> None:
         self.in_flight.pop(rid, None)
+
+    def bound(self, max_blocks: int) -> int:
+        """Blocks its prefix index may hold: its KV capacity where known, within the configured bound."""
+        return min(max_blocks, self.kv_blocks) if self.kv_blocks else max_blocks
+
+    def sent_prompt(self, prefix: Sequence[int], max_blocks: int) -> None:
+        """The gateway sent it a prompt with these blocks: it will hold them (approximate index)."""
+        if self.sent is None:
+            self.sent = PrefixIndex(self.bound(max_blocks))
+        self.sent.record(prefix)
+
+    def prefix_index(self, mode: str) -> PrefixIndex | None:
+        """The index the scheduler reads: the reported one while its events are healthy (mode "events"), else
+        what the gateway sent."""
+        if mode == "events" and self.events_ok and self.reported is not None:
+            return self.reported.index
+        return self.sent
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.last is not None and now - self.last_at <= stale_after_s
@@ -189,11 +230,25 @@ class InstanceState:
         return [*self.state(now), prompt_tokens, output_tokens]
 
 
+# Prompts sent and not yet told to the other replicas or workers (state/prefixes.py): the oldest are dropped
+# beyond this, so a process without peers (or cut off from them) holds a bounded backlog.
+OUTBOX_PROMPTS = 4096
+
+
 class PoolState:
     """InstanceState per instance name, so the pool state survives config reloads."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, InstanceState] = {}
+        # (instance, prompt blocks) this process sent, for its peers' approximate indexes (state/prefixes.py)
+        self.sent_outbox: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=OUTBOX_PROMPTS)
+
+    def sent_prompt(self, name: str, prefix: tuple[int, ...], max_blocks: int, by_peer: bool = False) -> None:
+        """A prompt with these blocks went to instance `name`, from this process (told to its peers) or from a
+        peer (`by_peer`)."""
+        self.of(name).sent_prompt(prefix, max_blocks)
+        if not by_peer:
+            self.sent_outbox.append((name, prefix))
 
     def of(self, name: str) -> InstanceState:
         state = self.by_name.get(name)
@@ -232,7 +287,8 @@ class PoolState:
             out.append(s.last.waiting if s.last is not None and s.fresh(now, stale_after_s) else 0.0)
         return out
 
-    def snapshot(self, instances: Sequence[InstanceSettings], now: float, stale_after_s: float) -> PoolView:
+    def snapshot(self, instances: Sequence[InstanceSettings], now: float, stale_after_s: float,
+                 scheduler: SchedulerSettings | None = None) -> PoolView:
         states = [self.of(i.name) for i in instances]
         rows = [s.state(now, i.tpot_prior_ms / 1000, stale_after_s, i.max_num_seqs)
                 for s, i in zip(states, instances, strict=True)]
@@ -250,4 +306,23 @@ class PoolState:
             tpot_prior_s=np.array([i.tpot_prior_ms / 1000 for i in instances]),
             tiers=tuple(tier_key(i.model, i.gpu) for i in instances),
             now=now,
+            **self._prefix_columns(instances, states, scheduler),
         )
+
+    @staticmethod
+    def _prefix_columns(instances: Sequence[InstanceSettings], states: list[InstanceState],
+                        scheduler: SchedulerSettings | None) -> dict:
+        if scheduler is None or scheduler.prefix_cache == "off":
+            return {}
+        empty = PrefixIndex(1)  # an instance nothing was sent to yet holds nothing the gateway knows of
+        return {
+            "prefixes": tuple((s.prefix_index(scheduler.prefix_cache) or empty) if i.prefix_caching else None
+                              for s, i in zip(states, instances, strict=True)),
+            "block_size": scheduler.prefix_block_tokens,
+            "prefill_s": np.array([_prefill_prior(i.model, i.gpu, i.gpu_count) for i in instances]),
+        }
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_prior(model: str, gpu: str, gpu_count: int) -> float:
+    return prefill_s_per_token(model, gpu, gpu_count)

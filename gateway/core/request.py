@@ -33,6 +33,10 @@ class RouteRequest:
     slo_class: str = "none"  # the class slo_s falls in (core/slo.py), for metrics and grouping
     to_max_tokens: bool = False  # the answer runs to max_tokens (vLLM's ignore_eos, no stop strings)
     explore: bool = True  # may be sent to a model without labels to learn about it (its key learns)
+    # Chained hashes of the prompt's full token blocks (core/prefix.py), salted per key where asked; empty when
+    # the gateway does not look at prefixes (prefix_cache "off", a policy that reads no cache, no tokenizer).
+    prefix: tuple[int, ...] = ()
+    session: str | None = None  # the conversation it belongs to, where the client says (OpenAI's `user`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,7 @@ class Decision:
     latency_s: float | None = None
     tokens: float | None = None  # the answer ranked[0] is predicted to give, within the request's max_tokens
     answer_tokens: float | None = None  # the estimators' whole answer on ranked[0]'s model, max_tokens aside
+    cached_tokens: float | None = None  # prompt tokens ranked[0] is predicted to hold cached (None: not known)
     refused: Refusal | None = None
     detail: Any = None  # what the deciding policy keeps of its decision for its later hooks
 

@@ -54,6 +54,16 @@ def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.
     return tpot_s * (wait + length)
 
 
+def prefill_latency(prefill_s_per_token: np.ndarray, input_tokens: int, cached_tokens: np.ndarray,
+                    running: np.ndarray) -> np.ndarray:
+    """Seconds of prefill each candidate would add: the prompt minus the prefix it holds cached, at its prefill
+    rate, waited through by the request and by each of the `running` requests whose decode steps it holds
+    (vLLM runs a prefill chunk in the same step as the batch's decodes). Measured in the simulator, pricing the
+    request's own prefill alone left a warm instance losing to a slightly less loaded cold one: the misses' prefill
+    then slowed everyone there (docs/results/prefix.md)."""
+    return prefill_s_per_token * np.maximum(input_tokens - cached_tokens, 0.0) * (1.0 + running)
+
+
 def min_max(x: np.ndarray) -> np.ndarray:
     lo, hi = x.min(), x.max()
     return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)

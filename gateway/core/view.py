@@ -9,10 +9,11 @@ features (estimators/latency.py), in STATE_FEATURES order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.core.prefix import PrefixIndex, cacheable_blocks
 from gateway.core.settings import InstanceSettings
 
 # The instance state the scheduler tracks, and its order in a TPOT head's feature row.
@@ -51,6 +52,13 @@ class PoolView:
     tpot_prior_s: np.ndarray  # the tier's low-load seconds per output token
     tiers: tuple[str, ...]  # tier_key of each instance
     now: float = 0.0  # the instant the view describes (the driver's clock: real or virtual seconds)
+    # What each instance is believed to hold in its prefix cache (None: it does not cache); () when the gateway
+    # looks at no prefix ([scheduler] prefix_cache = "off").
+    prefixes: tuple[PrefixIndex | None, ...] = ()
+    block_size: int = 16  # tokens a prefix block holds
+    prefill_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the tier's prior seconds per prompt token
+    # Prompts dispatched by this working copy (dead reckoning), per instance: later requests of the batch find them.
+    sent: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def active(self) -> np.ndarray:
@@ -62,13 +70,36 @@ class PoolView:
         return np.array([self.running[i], self.waiting[i], self.kv_usage[i], self.decode_rate[i], self.in_flight[i],
                          self.pending_prefill[i], self.pending_decode[i]])
 
+    @property
+    def knows_prefixes(self) -> bool:
+        return bool(self.prefixes)
+
+    def cached_tokens(self, prefix: Sequence[int], input_tokens: int) -> np.ndarray:
+        """Per instance, the prompt tokens it is believed to hold cached: its longest run of the prompt's leading
+        blocks, never the last prompt token (always computed). Zeros when prefixes are not looked at."""
+        out = np.zeros(len(self.instances))
+        if not self.prefixes or not prefix:
+            return out
+        hashes = prefix[:cacheable_blocks(input_tokens, self.block_size)]
+        for i, index in enumerate(self.prefixes):
+            if index is None:
+                continue
+            n = index.match(hashes)
+            for other in self.sent.get(i, ()):
+                n = max(n, _common(other, hashes))
+            out[i] = n * self.block_size
+        return out
+
     def usable(self, candidates: Sequence[int]) -> list[int]:
         """Candidates that are available, or all of them if none is (better to try than to refuse)."""
         up = [i for i in candidates if self.available[i]]
         return up or list(candidates)
 
-    def dispatched(self, i: int, tokens: float, input_tokens: float = 0.0) -> None:
-        """Dead reckoning: instance i got one more request of `tokens` predicted answer tokens."""
+    def dispatched(self, i: int, tokens: float, input_tokens: float = 0.0, prefix: tuple[int, ...] = ()) -> None:
+        """Dead reckoning: instance i got one more request of `tokens` predicted answer tokens (and its prompt's
+        blocks, which it will hold cached)."""
+        if prefix and self.prefixes and self.prefixes[i] is not None:
+            self.sent.setdefault(i, []).append(prefix)
         # A request queues behind others already waiting (no free KV), or when every slot runs.
         if self.running[i] < self.max_num_seqs[i] and self.waiting[i] == 0:
             self.running[i] += 1
@@ -77,3 +108,13 @@ class PoolView:
         self.in_flight[i] += 1
         self.pending_prefill[i] += input_tokens
         self.pending_decode[i] += tokens
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks two chains share (chained hashes: equal at k means equal before k)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

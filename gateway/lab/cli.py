@@ -16,10 +16,10 @@ from gateway.lab.experiments.tables import duration, format_pairs, format_rows
 
 def add_commands(sub, config_option) -> None:
     """The lab's subcommands; `config_option(parser)` adds the shared --config option."""
-    from gateway.lab.experiments.catalog import ON_CAPACITY, SWEEPS
+    from gateway.lab.experiments.catalog import ON_CAPACITY, PREFIX_SWEEPS, SWEEPS
     from gateway.policies import registry
 
-    sweep_names = (*SWEEPS, *ON_CAPACITY)
+    sweep_names = (*SWEEPS, *ON_CAPACITY, *PREFIX_SWEEPS)
     p = sub.add_parser("train", help="build the estimator artefacts (index, labels, TPOT heads) and report accuracy")
     config_option(p)
     p.add_argument("--out", type=Path, help="output directory (default: [estimators].models_dir)")
@@ -131,7 +131,24 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--progressive", action="store_true",
                    help="one cell: every request asks for progressive mode (PICE: the largest tier sketches, the "
                         "cheapest models expand; [progressive] sets the limits and the fallback rule)")
-    p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed")
+    p.add_argument("--seed", type=int, default=0, help="one cell: the arrival seed (with --trace, the arrivals' "
+                   "jitter within the trace's milliseconds and the tie-breaks; with --multi-turn, the workload)")
+    p.add_argument("--trace", type=Path, metavar="FILE",
+                   help="one cell: replay a trace in the Mooncake format (prompts as block ids that share prefixes, "
+                        "e.g. ../shared/data/prefix-traces/mooncake_conversation_trace.jsonl); --requests: its first "
+                        "N rows (default all)")
+    p.add_argument("--trace-scale", type=float, default=1 / 8,
+                   help="with --trace: prompt lengths and the trace's block size times this (default 1/8: a "
+                        "512-token block becomes 64 tokens, to fit 8,192-token windows)")
+    p.add_argument("--multi-turn", nargs="?", const="", metavar="MIX",
+                   help="one cell: the synthetic prefix-sharing workload (conversations, agent loops, shared system "
+                        "prompts and documents, single prompts); MIX as conversation=0.4,agent=0.15,... (default mix)")
+    p.add_argument("--prefix-cache", choices=("approximate", "events", "off"),
+                   help="one cell: what the gateway knows of the instances' prefix caches (default: the config's "
+                        "[scheduler] prefix_cache); the instances cache either way")
+    p.add_argument("--load", type=float,
+                   help="with --trace or --multi-turn: the arrival rate as a share of the pool's capacity on those "
+                        "prompts (measured once with a dispatcher that ignores the cache), instead of --rate")
     p.add_argument("--replicas", type=int, default=1,
                    help="one cell: gateway replicas behind a round-robin balancer, sharing their in-flight work")
     p.add_argument("--staleness-ms", type=float, default=0.0,
@@ -307,6 +324,10 @@ def cmd_sim(args) -> int:
     from gateway.lab.experiments.catalog import REQUESTS
     from gateway.lab.experiments.sweeps import Cell, run_seeded
 
+    if args.trace is not None and args.requests is None:
+        from gateway.lab.workload.prefixed import read_mooncake
+
+        args.requests = len(read_mooncake(args.trace, scale=args.trace_scale).rows)  # the whole trace
     if args.requests is None:
         args.requests = REQUESTS.get(args.sweep, 2500)
     if args.requests < 1 or args.workers < 1 or (args.seeds is not None and args.seeds < 1):
@@ -334,12 +355,23 @@ def cmd_sim(args) -> int:
     cfg = load_config(args.config)
     w = cfg.weights(args.preset)
     sync_s = cfg.state.sync_interval_s if args.sync_ms is None else args.sync_ms / 1000
+    prefixed = _prefix_source(args)
+    if prefixed is not None:
+        tags |= {"prompts": prefixed.label()}
+        if args.load is not None:
+            from gateway.lab.experiments.prefix_sweeps import capacity
+
+            args.rate = round(args.load * capacity(str(args.config), prefixed, args.requests), 3)
+            tags |= {"load": args.load}
+    if args.prefix_cache:
+        tags |= {"prefix_cache": args.prefix_cache}
     spec = CellSpec(args.policy, (w.quality, w.latency, w.cost),
                     ArrivalSpec(args.arrivals, args.rate, shape=args.shape), args.requests, args.seed,
                     budget_share=args.budget_share, model=args.model, models=models, slos=parse_slo_mix(args.slos),
                     tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
                     mega_share=args.mega_share, stream_below_s=BATCH_SLO_S, replicas=args.replicas,
-                    sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000, progressive=args.progressive)
+                    sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000, progressive=args.progressive,
+                    prefixed=prefixed, prefix_cache=args.prefix_cache)
     if args.progressive:
         tags |= {"mode": "progressive"}
     if args.replicas > 1:
@@ -360,6 +392,25 @@ def cmd_sim(args) -> int:
           + (f" on pool {args.pool}" if args.pool else "") + "; ± half the 95% interval where there is one; "
           "--json prints every figure")
     return 0
+
+
+def _prefix_source(args):
+    """The prefix-sharing prompts a one-cell run asks for (--trace, --multi-turn), or None."""
+    from gateway.lab.sim.prefixed_cells import PrefixSource
+
+    if args.trace is not None and args.multi_turn is not None:
+        raise ValueError("give --trace or --multi-turn, not both")
+    if args.load is not None and not 0 < args.load <= 2:
+        raise ValueError("--load is a share of the pool's capacity, in (0, 2]")
+    if args.trace is not None:
+        if not args.trace.is_file():
+            raise ValueError(f"--trace: no file at {args.trace}")
+        return PrefixSource("trace", str(args.trace), args.trace_scale)
+    if args.multi_turn is not None:
+        return PrefixSource("synthetic", mix=args.multi_turn)
+    if args.load is not None:
+        raise ValueError("--load needs --trace or --multi-turn (elsewhere give --rate)")
+    return None
 
 
 BALANCERS = ("passthrough+round_robin", "passthrough+shortest_queue", "passthrough+power_of_two")
@@ -394,13 +445,19 @@ def _sim_compare(args, spec, tags: dict, seeds: list[int]) -> int:
 
 
 def _sim_sweep(args) -> int:
-    from gateway.lab.experiments.catalog import ON_CAPACITY, PAIRS, SWEEPS
+    from gateway.lab.experiments.catalog import ON_CAPACITY, PAIRS, PREFIX_SWEEPS, SWEEPS
     from gateway.lab.experiments.plots import plot_sweep, require_matplotlib
     from gateway.lab.experiments.sweeps import estimate_seconds, run_seeded, write_sweep
 
     require_matplotlib()  # before the sweep's minutes, not after
     seeds = 5 if args.seeds is None else args.seeds
-    if args.sweep in ON_CAPACITY:
+    if args.sweep in PREFIX_SWEEPS:  # shares of the pool's capacity on prompts that share prefixes
+        make_cells, make_pairs, measure = PREFIX_SWEEPS[args.sweep]
+        capacity = measure(str(args.config), args.requests)
+        print("the pool's capacity: " + ", ".join(f"{k} {v:.2f} req/s" for k, v in capacity.items()), flush=True)
+        cells = make_cells(args.requests, capacity)
+        pairs = make_pairs(cells)
+    elif args.sweep in ON_CAPACITY:
         if not args.workload:
             raise ValueError(f"--sweep {args.sweep} replays a labelled file: give it with --workload FILE")
         make_cells, make_pairs, capacity_cell = ON_CAPACITY[args.sweep]

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from gateway.core.policy import Policy, PolicyContext, PolicyEntry
 
 # The built-in policy packages under gateway/policies/, in the order `routebalance policies` lists them.
-BUILTIN = ("routebalance", "pipeline", "swap_aware", "qlm", "qos", "eldr")
+BUILTIN = ("routebalance", "pipeline", "swap_aware", "qlm", "qos", "eldr", "prefix")
 
 _entries: dict[str, PolicyEntry] = {}
 _tables: dict[str, type] = {}

@@ -31,15 +31,18 @@ from gateway.serving.body import read_body
 from gateway.serving.dispatch import Attempt, CallDispatcher, DecidedCall
 from gateway.serving.driver import Scheduler, candidates_for, refusal_error
 from gateway.serving.feedback import FeedbackHandler
+from gateway.serving.kv_events import KvEventReader
 from gateway.serving.learner import TrafficLearner
 from gateway.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.serving.metrics import GatewayMetrics
+from gateway.serving.prefixes import cache_salt, measure_prompt
 from gateway.serving.progressive import PROGRESSIVE, FellBack, Progressive
 from gateway.serving.refresh import EstimatorRefresh
 from gateway.serving.shadow import ShadowAnswers
 from gateway.serving.telemetry import scrape_forever
 from gateway.serving.workers import SINGLE, Worker
 from gateway.state.link import RedisLink
+from gateway.state.prefixes import PrefixSync
 from gateway.state.sync import ReplicaSync
 from gateway.tenancy.access import Access, check_admin, json_posts_only, may_name, request_preset
 from gateway.tenancy.keys import anonymous_allowed
@@ -110,6 +113,8 @@ class Gateway:
         self.feedback_handler = FeedbackHandler(self.learner, self.access, self.metrics)
         self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics, worker)
         self.shadow = ShadowAnswers(store, self.learner, self.scheduler, self.metrics, lambda: self.session, worker)
+        self.kv_events = KvEventReader(store, self.pool_state,
+                                       lambda name, lag: self.metrics.kv_events_lag.labels(name).set(lag))
         if estimators is not None:
             self.metrics.estimator_version.set(estimators.version)
         self.spend: KeyLedger | None = None  # opened when the config first has keys (at start with Redis)
@@ -126,7 +131,8 @@ class Gateway:
                                          ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.pool_state))]
+        self._tasks = [loop.create_task(scrape_forever(self.session, self.store, self.pool_state)),
+                       loop.create_task(self.kv_events.run())]
         cfg = self.store.current
         if cfg.state.backend == "redis":  # read at start only: a reload does not move the state
             self.link = RedisLink(cfg.state.url, cfg.state.prefix, cfg.state.timeout_s)
@@ -134,7 +140,8 @@ class Gateway:
                                      hold_ttl_s=cfg.upstream.total_timeout_s + cfg.batching.max_wait_s + 60)
             self.spend = spend
             self._tasks += [loop.create_task(spend.run(cfg.state.sync_interval_s)),
-                            loop.create_task(ReplicaSync(self.link, self.pool_state, self.store).run())]
+                            loop.create_task(ReplicaSync(self.link, self.pool_state, self.store).run()),
+                            loop.create_task(PrefixSync(self.link, self.pool_state, self.store).run())]
         self._open_spend(cfg)
         await self.learner.open()
         if self.link is not None and self.learner.store is not None:
@@ -236,7 +243,8 @@ class Gateway:
             budget = spend.budget_left()
             if budget is not None and budget <= 0 and spend.limited_by_key():  # reads the ledger only when spent
                 raise spend.refusal()
-            input_tokens = await self._count_prompt(req, cfg, len(raw))
+            salt = cache_salt(key, req.body)
+            input_tokens, prefix = await self._count_prompt(req, cfg, len(raw), policy, salt)
             routed = RouteRequest(
                 candidates=candidates,
                 prompt_text=req.prompt_text,
@@ -251,6 +259,8 @@ class Gateway:
                 slo_class=slo.slo_class,
                 to_max_tokens=req.runs_to_max_tokens,
                 explore=key is None or key.learn,
+                prefix=prefix,
+                session=req.body.get("user") if isinstance(req.body.get("user"), str) else None,
             )
             if req.routing.mode == "progressive":
                 served = await self.progressive.serve(request, cfg, req, spend, routed)
@@ -322,16 +332,17 @@ class Gateway:
         if slo.tpot_slo_s is not None:
             self.metrics.tpot_slo.labels(policy, result(slo.tpot_met)).inc()
 
-    async def _count_prompt(self, req: CompletionRequest, cfg: Config, body_bytes: int) -> int:
-        """Prompt tokens as the instance will count them (function signatures included); a large
-        request (judged by its body) is counted in a worker thread so the event loop keeps serving."""
-        if req.chat:
-            count, args = self.token_counter.count_chat, (req.body["messages"], req.tools)
-        else:
-            count, args = self.token_counter.count, (req.prompt_text,)
+    async def _count_prompt(self, req: CompletionRequest, cfg: Config, body_bytes: int, policy: str,
+                            salt: str | None) -> tuple[int, tuple[int, ...]]:
+        """Prompt tokens as the instance will count them (function signatures included), and its prefix blocks
+        where its policy reads the prefix index (serving/prefixes.py); a large request (judged by its body) is
+        measured in a worker thread so the event loop keeps serving."""
+        reads = cfg.scheduler.prefix_cache != "off" and registry.entry(policy).reads_prefixes
+        block = cfg.scheduler.prefix_block_tokens if reads else None
         if body_bytes <= cfg.server.tokenize_inline_chars:
-            return count(*args)
-        return await asyncio.get_running_loop().run_in_executor(None, count, *args)
+            return measure_prompt(self.token_counter, req, block, salt)
+        return await asyncio.get_running_loop().run_in_executor(None, measure_prompt, self.token_counter, req,
+                                                                block, salt)
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.store.current
@@ -346,6 +357,8 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: the process answers (with `serve --workers`, which worker: the port is theirs together)."""
         body: dict = {"status": "ok", "instances": len(self.store.current.instances)}
+        if self.kv_events.status:  # each event stream's state: "ok", or why the approximate index stands in
+            body["kv_events"] = self.kv_events.health()
         if self.worker.shared:
             body["worker"] = {"index": self.worker.index, "of": self.worker.count}
         return _json(body)
@@ -382,6 +395,14 @@ class Gateway:
         for inst, state in self.scheduler.instance_states(cfg):
             m.instance_routable.labels(inst.name).set(state.routable(now))
             m.instance_in_flight.labels(inst.name).set(len(state.in_flight) + state.others.requests)
+            snap = state.last
+            if snap is not None and snap.prefix_queries > 0:
+                m.prefix_hit_rate.labels(inst.name).set(snap.prefix_hits / snap.prefix_queries)
+            for source, index in (("sent", state.sent), ("reported", state.reported and state.reported.index)):
+                if index is not None:
+                    m.prefix_index_blocks.labels(inst.name, source).set(len(index))
+            if inst.kv_events is not None:
+                m.kv_events_up.labels(inst.name).set(state.events_ok)
         m.state_up.set(self.link is None or self.link.reachable)
         m.spend_unwritten.set(self.spend.unwritten if self.spend is not None else 0)
 

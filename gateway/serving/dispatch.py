@@ -28,6 +28,7 @@ from gateway.config.sections import Config
 from gateway.core.request import Completion, Decision, Ticket
 from gateway.serving.driver import Scheduler
 from gateway.serving.metrics import GatewayMetrics
+from gateway.serving.prefixes import cache_salt
 from gateway.serving.relay import (
     Costing,
     RelayResult,
@@ -88,6 +89,8 @@ def decision_headers(d: Decision, clamped_max_tokens: int | None, estimated_by: 
         headers["X-Route-Predicted-Cost-USD"] = f"{d.cost_usd:.10f}"
     if d.latency_s is not None:
         headers["X-Route-Predicted-Latency-S"] = f"{d.latency_s:.3f}"
+    if d.cached_tokens is not None:
+        headers["X-Route-Cached-Tokens"] = str(int(d.cached_tokens))
     if clamped_max_tokens is not None:
         headers["X-Route-Max-Tokens"] = str(clamped_max_tokens)
     return headers
@@ -117,6 +120,9 @@ class CallDispatcher:
             if attempt.result.cost_usd is not None:
                 self.metrics.answered(call.cfg.instance(attempt.instance).model, attempt.result.cost_usd,
                                       attempt.result.prompt_tokens, attempt.result.completion_tokens)
+                decision = call.ticket.decision
+                if decision is not None and decision.ranked and attempt.index == decision.ranked[0]:
+                    self.metrics.cached(attempt.instance, decision.cached_tokens, attempt.result.cached_tokens)
 
     async def _evictable(self, call: DecidedCall) -> web.StreamResponse:
         """Serve the call on its decision; if its policy evicts it before the client saw a byte
@@ -191,7 +197,8 @@ class CallDispatcher:
 
             cost: float | None = None
             try:
-                payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None)
+                payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None,
+                                           cache_salt=cache_salt(spend.key, req.body))
                 upstream = await open_upstream(self._session(), instance, ROUTES[call.route], payload, timeout,
                                                req.stream)
                 if upstream.status >= 400:  # the instance is well; the request is not

@@ -118,12 +118,35 @@ class GatewayMetrics:
         self._embed_seen = (0, 0)
         self.config_reloads = Counter("routebalance_config_reloads", "Config reloads by result",
                                       ("result",), registry=r)
+        # Prefix caches (core/prefix.py): what the gateway predicted against what the instance reported.
+        self.cached_tokens = Counter("routebalance_prefix_cached_tokens", "Cached prompt tokens of answers whose "
+                                     "instance reported them (usage.prompt_tokens_details), as predicted at routing "
+                                     "and as reported", ("instance", "kind"), registry=r)
+        self.prefix_hit_rate = Gauge("routebalance_prefix_hit_rate", "Share of prompt tokens the instance found in "
+                                     "its prefix cache, from its own counters (vllm:prefix_cache_hits / queries)",
+                                     ("instance",), registry=r, multiprocess_mode="livemostrecent")
+        self.prefix_index_blocks = Gauge("routebalance_prefix_index_blocks", "Blocks in the gateway's prefix index "
+                                         "of the instance, by source (sent: what this process sent it; reported: "
+                                         "its KV-cache events); with workers, the largest worker's",
+                                         ("instance", "source"), registry=r, multiprocess_mode="livemax")
+        self.kv_events_up = Gauge("routebalance_kv_events_up", "1 while the instance's KV-cache event stream is "
+                                  "read and healthy (the index follows it), 0 when the approximate index stands in",
+                                  ("instance",), registry=r, multiprocess_mode="livemostrecent")
+        self.kv_events_lag = Gauge("routebalance_kv_events_lag_seconds", "Seconds from an event batch's timestamp "
+                                   "to its reading, last batch", ("instance",), registry=r,
+                                   multiprocess_mode="livemostrecent")
 
     def answered(self, model: str, cost_usd: float, prompt_tokens: int, completion_tokens: int) -> None:
         """One upstream answer's realised cost and tokens."""
         self.cost.labels(model).inc(cost_usd)
         self.tokens.labels(model, "prompt").inc(prompt_tokens)
         self.tokens.labels(model, "completion").inc(completion_tokens)
+
+    def cached(self, instance: str, predicted: float | None, reported: int | None) -> None:
+        """An answer's cached prompt tokens, predicted and reported, where both are known."""
+        if predicted is not None and reported is not None:
+            self.cached_tokens.labels(instance, "predicted").inc(predicted)
+            self.cached_tokens.labels(instance, "reported").inc(reported)
 
     def count_embed_cache(self, hits: int, misses: int) -> None:
         """The embedder's cache counters (cumulative, read after each batch) as routebalance_embed_cache_total

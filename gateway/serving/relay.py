@@ -117,6 +117,7 @@ class RelayResult:
     completion_id: str | None = None
     cut_by_length: bool = False
     answer_text: str | None = None  # a whole, single answer's text (judged shadow answers: serving/shadow.py)
+    cached_tokens: int | None = None  # prompt tokens the instance reports it had cached (None: it did not say)
 
     def cost_when_left(self, worst_usd: float) -> float:
         """What an attempt whose handler ended without a verdict (its client left) is paid: the answer's own
@@ -139,11 +140,20 @@ def usage_count(usage: dict, key: str) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
+def cached_count(usage: dict) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details, OpenAI), or None."""
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or "cached_tokens" not in details:
+        return None
+    return usage_count(details, "cached_tokens")
+
+
 def record_usage(usage: dict, costing: Costing, result: RelayResult, final: bool = True) -> None:
     """Cost a request from the instance's own token counts (malformed counts count as 0). The SLO
     verdicts go only on the final usage: a running one (continuous usage) is judged on a partial answer."""
     result.prompt_tokens = usage_count(usage, "prompt_tokens")
     result.completion_tokens = usage_count(usage, "completion_tokens")
+    result.cached_tokens = cached_count(usage)
     result.cost_usd = usage["cost_usd"] = costing.cost(result.prompt_tokens, result.completion_tokens)
     result.cost_source = "upstream"
     result.final = result.final or final
@@ -189,12 +199,15 @@ def _answer_texts(data: dict) -> list[str]:
 
 
 def upstream_payload(req: CompletionRequest, instance, max_tokens: int | None = None,
-                     continuous_usage: bool = False) -> bytes:
+                     continuous_usage: bool = False, cache_salt: str | None = None) -> bytes:
     """The body for the instance. `max_tokens` (the budget clamp) replaces the client's
     limit in the field the client used; `continuous_usage` asks for running usage
-    in every streamed chunk, which a budgeted stream is metered by."""
+    in every streamed chunk, which a budgeted stream is metered by; `cache_salt`
+    (vLLM's) keeps the prompt's cached blocks apart (serving/prefixes.py)."""
     body = dict(req.body)
     body["model"] = instance.model
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if max_tokens is not None:
         for key in [k for k in LIMIT_KEYS if k in body] or ["max_tokens"]:
             body[key] = max_tokens
@@ -530,6 +543,7 @@ class _BudgetMeter(_Framer):
                 usage = None
             if usage is not None:
                 self.usage_seen = True
+                self.result.cached_tokens = cached_count(usage)
                 prompt = usage_count(usage, "prompt_tokens") or self.prompt
                 completion = usage_count(usage, "completion_tokens")
             else:

@@ -31,10 +31,12 @@ _GAUGES = {
     "vllm:kv_cache_usage_perc": "kv",
     "vllm:gpu_cache_usage_perc": "kv_old",
 }
-_COUNTERS = {"vllm:generation_tokens": "generation", "vllm:prompt_tokens": "prompt"}
+_COUNTERS = {"vllm:generation_tokens": "generation", "vllm:prompt_tokens": "prompt",
+             "vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits"}
+_CACHE_CONFIG = "vllm:cache_config"  # vllm:cache_config_info: the KV capacity is its num_gpu_blocks label
 
 
-_WANTED = tuple(_GAUGES) + tuple(_COUNTERS)
+_WANTED = (*_GAUGES, *_COUNTERS, _CACHE_CONFIG)
 
 
 def _wanted_lines(text: str) -> str:
@@ -58,10 +60,14 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
     """Raises ValueError if the page is not Prometheus text or lacks the running gauge."""
     sums: dict[str, float] = {}
     kv: dict[str, list[float]] = {"kv": [], "kv_old": []}
+    blocks = 0
     for family in _families(text):
         name = family.name
         if name.endswith("_total"):  # some parsers keep the suffix on the family
             name = name[:-6]
+        if name.startswith(_CACHE_CONFIG):  # one sample per engine (data-parallel rank), each its own KV cache
+            blocks = sum(_int_label(s.labels, "num_gpu_blocks") for s in family.samples)
+            continue
         key = _GAUGES.get(name) or _COUNTERS.get(name)
         if key is None:
             continue
@@ -81,7 +87,18 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
         kv_usage=sum(usage) / len(usage) if usage else 0.0,
         generation_tokens=sums.get("generation", 0.0),
         prompt_tokens=sums.get("prompt", 0.0),
+        num_gpu_blocks=blocks,
+        prefix_queries=sums.get("prefix_queries", 0.0),
+        prefix_hits=sums.get("prefix_hits", 0.0),
     )
+
+
+def _int_label(labels: dict, name: str) -> int:
+    """A label holding a count (0 when it is missing or not a count: "None" where vLLM has no value)."""
+    try:
+        return max(int(labels.get(name, 0)), 0)
+    except ValueError:
+        return 0
 
 
 class MetricsPageError(ValueError):

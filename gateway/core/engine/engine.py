@@ -25,6 +25,16 @@ cache goes to host memory (`host_kv_tokens` of room) and, when the request
 is swapped in and admitted again, comes back at the host link's speed
 instead of being recomputed, so it resumes where it stopped.
 
+Automatic prefix caching, as vLLM does it by default (prefix_cache.py): a
+request brings the chained hashes of its prompt's full blocks (`prefix`),
+takes its longest run of cached leading blocks at admission (never the
+prompt's last token: that one is always computed) and prefills only the
+rest; its full prompt blocks enter the cache as they are computed. A block
+that running requests share is counted once, and cached blocks no running
+request holds count as free (the KV usage the engine reports leaves them
+out, as vLLM's does), evicted least recently freed when room is needed.
+Only prompt blocks are cached: the answer's tokens are not known here.
+
 A mixture-of-experts tier (`EngineSpec.moe`, engine/moe.py) splits the step
 into its dense part (the formula above, for the attention and the KV reads)
 and its MoE layers, whose time grows with the union of experts the step's
@@ -38,9 +48,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from gateway.core.engine.moe import ExpertModel, MoeSpec
+from gateway.core.engine.prefix_cache import PrefixCache
+from gateway.core.prefix import cacheable_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +73,8 @@ class EngineSpec:
     host_kv_tokens: int = 0
     # A mixture-of-experts tier: the MoE layers' step time grows with the union of experts (engine/moe.py).
     moe: MoeSpec | None = None
+    # Automatic prefix caching (vLLM's default; --no-enable-prefix-caching turns it off).
+    prefix_caching: bool = True
 
 
 class Sequence:
@@ -69,11 +84,15 @@ class Sequence:
         "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
         "generated", "computed", "first_scheduled", "first_token_time",
         "finish_time", "finish_reason", "preemptions", "prefill_done_time", "in_host", "domain",
+        "prefix", "held", "cached_tokens",
     )
 
     def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float,
-                 domain: int = ExpertModel.NEUTRAL):
+                 domain: int = ExpertModel.NEUTRAL, prefix: Seq[int] = ()):
         self.rid = rid
+        self.prefix = prefix  # chained hashes of the prompt's full blocks (empty: nothing to cache)
+        self.held: list[int] = []  # the leading ones it holds in the prefix cache
+        self.cached_tokens: int | None = None  # prompt tokens its first admission found cached
         self.domain = domain  # its domain's index in the engine's ExpertModel (MoE tiers; NEUTRAL: unknown)
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -112,7 +131,7 @@ class StepReport:
     progressed: list[Sequence] = field(default_factory=list)  # got tokens (or finished), each once
     finished: list[Sequence] = field(default_factory=list)
     inter_token: list[tuple[float, int]] = field(default_factory=list)  # (gap seconds, decode tokens)
-    prompt_tokens: int = 0  # prefill tokens computed (recomputes included, as vLLM counts them)
+    prompt_tokens: int = 0  # prompt tokens prefilled or found cached (recomputes included, as vLLM counts them)
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
@@ -123,7 +142,7 @@ class StepReport:
 class _Plan:
     start: float
     end: float
-    admitted: list[Sequence]
+    admitted: list[tuple[Sequence, int]]  # (sequence, leading prompt blocks it takes from the prefix cache)
     work: list[tuple[Sequence, int]]  # (sequence, tokens it processes this step)
     decoding: int  # sequences processing exactly their last sampled token
     preempted: list[Sequence]
@@ -131,8 +150,10 @@ class _Plan:
 
 
 class Engine:
-    def __init__(self, spec: EngineSpec, now: float = 0.0):
+    def __init__(self, spec: EngineSpec, now: float = 0.0, record_events: bool = False):
         self.spec = spec
+        # The prefix cache (None: caching is off); `record_events` keeps what enters and leaves it.
+        self.cache = PrefixCache(record_events) if spec.prefix_caching else None
         self.clock = now  # end of the last step, or when the engine last went idle
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -159,8 +180,11 @@ class Engine:
         return bool(self.running or self.waiting)
 
     def blocks_used(self) -> int:
+        """KV blocks running sequences hold: their own, and the cached ones they share counted once (cached blocks
+        no running sequence holds are free)."""
         size = self.spec.block_size
-        return sum(-(-s.computed // size) for s in self.running)
+        own = sum(-(-s.computed // size) - len(s.held) for s in self.running)
+        return own + (self.cache.referenced if self.cache is not None else 0)
 
     def kv_usage(self) -> float:
         return min(1.0, self.blocks_used() / self.spec.num_gpu_blocks)
@@ -190,8 +214,9 @@ class Engine:
 
     # ---- commands ----------------------------------------------------------
     def add(self, rid, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float,
-            domain: str | None = None) -> Sequence:
-        """Queue a request; `domain` (the prompt's kind, None if unknown) matters on MoE tiers only."""
+            domain: str | None = None, prefix: Seq[int] = ()) -> Sequence:
+        """Queue a request; `domain` (the prompt's kind, None if unknown) matters on MoE tiers only; `prefix`: the
+        chained hashes of the prompt's full blocks (core/prefix.py), for the prefix cache."""
         if rid in self._by_id:
             raise ValueError(f"duplicate request id {rid!r}")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -203,7 +228,8 @@ class Engine:
         if not self.busy:
             self.clock = max(self.clock, now)
         index = self.experts.domain(domain) if self.experts is not None else ExpertModel.NEUTRAL
-        seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0), domain=index)
+        seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0), domain=index,
+                       prefix=prefix[:prompt_tokens // self.spec.block_size])
         self.waiting.append(seq)
         self._by_id[rid] = seq
         self._plan = None
@@ -218,6 +244,7 @@ class Engine:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        self._release(seq)
         seq.finish_reason = "abort"
         seq.finish_time = max(now, self.clock)
         self._plan = None
@@ -236,6 +263,7 @@ class Engine:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        self._release(seq)  # its KV cache goes to host memory whole; it comes back as its own blocks
         seq.in_host = seq.computed > 0
         self.swapped[rid] = seq
         self._plan = None
@@ -288,9 +316,10 @@ class Engine:
         # cache cannot take this step's tokens, preempt the newest sequence.
         running = list(self.running)
         preempted: list[Sequence] = []
+        used = self.blocks_used()
         while True:
             budget = spec.max_num_batched_tokens
-            free = spec.num_gpu_blocks - sum(-(-s.computed // size) for s in running)
+            free = spec.num_gpu_blocks - used
             work: list[tuple[Sequence, int]] = []
             for s in running:
                 if s.pending == 1:
@@ -305,22 +334,26 @@ class Engine:
             if need <= free or not running:
                 break
             preempted.append(running.pop())
+            used = self._used_without(running, preempted)
         free -= need
 
         # Admit waiting sequences (FCFS) that have arrived and fit the slot
         # limit, the token budget and the KV cache. After a preemption nothing
         # new is admitted: the cache is full.
-        admitted: list[Sequence] = []
+        admitted: list[tuple[Sequence, int]] = []
         slots = spec.max_num_seqs - len(running)
         if not preempted:
             for s in self.waiting:
                 if s.arrival > start or s.arrival > self.admit_until or slots <= 0 or budget <= 0:
                     break
-                chunk = min(s.pending, budget)
-                blocks = new_blocks(s, chunk) + (-(-s.computed // size) if s.in_host else 0)
+                hit, taken_free = self._hit(s)
+                computed = s.computed + hit * size
+                chunk = min(s.context - computed, budget)
+                blocks = (-(-(computed + chunk) // size) - hit - (-(-s.computed // size))
+                          + taken_free + (-(-s.computed // size) if s.in_host else 0))
                 if blocks > free:
                     break
-                admitted.append(s)
+                admitted.append((s, hit))
                 work.append((s, chunk))
                 budget -= chunk
                 free -= blocks
@@ -337,7 +370,8 @@ class Engine:
             return self._make_plan()
 
         decoding = sum(1 for _, t in work if t == 1)
-        kv_tokens = sum(s.computed for s, _ in work)
+        hits = {id(s): h * size for s, h in admitted}
+        kv_tokens = sum(s.computed + hits.get(id(s), 0) for s, _ in work)
         prefill_tokens = sum(t for _, t in work if t > 1)
         union = 0.0
         factor = 1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
@@ -348,28 +382,42 @@ class Engine:
             union = self.experts.union(tokens)
             factor = self.experts.step_factor(factor, union)
         duration = spec.tpot_s * factor + spec.prefill_s_per_token * prefill_tokens
-        duration += spec.kv_swap_s_per_token * sum(s.computed for s in admitted if s.in_host)  # copied back
+        duration += spec.kv_swap_s_per_token * sum(s.computed for s, _ in admitted if s.in_host)  # copied back
         return _Plan(start, start + duration, admitted, work, decoding, preempted, union)
 
     def _commit(self, plan: _Plan, report: StepReport, seen: set[int]) -> None:
         end = plan.end
+        size = self.spec.block_size
         for s in plan.preempted:
             self.running.remove(s)
-            s.computed = 0  # recompute: prompt and generated tokens prefill again
+            self._release(s)
+            s.computed = 0  # recompute: prompt and generated tokens prefill again (cached blocks excepted)
             s.preemptions += 1
             report.preemptions += 1
             self.waiting.appendleft(s)
-        for s in plan.admitted:
+        for s, hit in plan.admitted:
             self.waiting.remove(s)  # admitted ones are at the head, so this is O(1) in practice
             self.running.append(s)
             s.in_host = False
             if s.first_scheduled is None:
                 s.first_scheduled = plan.start
+            if self.cache is not None and not s.computed:  # a new or recomputed prompt looks up the cache
+                self.cache.queries += s.prompt_tokens
+                self.cache.hits += hit * size
+                for h in s.prefix[:hit]:
+                    self.cache.acquire(h)
+                s.held = list(s.prefix[:hit])
+                s.computed = hit * size
+                report.prompt_tokens += hit * size  # vLLM's prompt counter counts the cached part of a prompt too
+                if s.cached_tokens is None:
+                    s.cached_tokens = hit * size
 
         for s, tokens in plan.work:
             if tokens > 1 or s.generated == 0:
                 report.prompt_tokens += tokens
             s.computed += tokens
+            if self.cache is not None and len(s.held) < len(s.prefix):
+                self._store(s)
             if s.computed < s.context:
                 continue  # prefill continues next step
             # All known tokens are in the cache: the model samples the next one.
@@ -383,6 +431,7 @@ class Engine:
                 s.finish_reason = "length" if s.cut else "stop"
                 s.finish_time = end
                 self.running.remove(s)
+                self._release(s)
                 del self._by_id[s.rid]
                 report.finished.append(s)
             if id(s) not in seen:
@@ -392,5 +441,45 @@ class Engine:
             report.inter_token.append((end - plan.start, plan.decoding))
         report.steps += 1
         report.experts += plan.union
+        if self.cache is not None:  # new blocks took the room of the least recently freed cached ones
+            over = self.blocks_used() + len(self.cache.free) - self.spec.num_gpu_blocks
+            if over > 0:
+                self.cache.evict(over)
         self.clock = self.last_step_end = end
         self._plan = None
+
+    # ---- the prefix cache -----------------------------------------------------
+    def _hit(self, s: Sequence) -> tuple[int, int]:
+        """(leading prompt blocks a waiting sequence would take from the cache, how many of them are free)."""
+        if self.cache is None or s.computed or s.in_host:
+            return 0, 0
+        return self.cache.match(s.prefix, cacheable_blocks(s.prompt_tokens, self.spec.block_size))
+
+    def _store(self, s: Sequence) -> None:
+        """The prompt blocks `s` has now computed whole enter the cache (or, cached already, are shared)."""
+        assert self.cache is not None
+        full = min(s.computed, s.prompt_tokens) // self.spec.block_size
+        for h in s.prefix[len(s.held):full]:
+            self.cache.acquire(h)
+            s.held.append(h)
+
+    def _release(self, s: Sequence) -> None:
+        if self.cache is not None and s.held:
+            self.cache.release(s.held)
+            s.held = []
+
+    def _used_without(self, running: list[Sequence], preempted: list[Sequence]) -> int:
+        """Blocks in use once the `preempted` sequences let go of theirs."""
+        size = self.spec.block_size
+        own = sum(-(-s.computed // size) - len(s.held) for s in running)
+        if self.cache is None:
+            return own
+        return own + self.cache.referenced - self.cache.freed_by([s.held for s in preempted])
+
+    def take_cache_events(self) -> tuple[list[int], list[int]]:
+        """(hashes stored, hashes removed) since the last call (with `record_events`)."""
+        if self.cache is None:
+            return [], []
+        stored, removed = self.cache.stored, self.cache.removed
+        self.cache.stored, self.cache.removed = [], []
+        return stored, removed

@@ -112,14 +112,14 @@ def engine_spec(
     block_size: int = 16,
     max_num_batched_tokens: int = 2048,
     moe: MoeSpec | None = None,
+    prefix_caching: bool = True,
 ) -> EngineSpec:
     """Derive an engine's performance model from what config.toml says about an instance."""
     arch = arch_for(model)
     kv_budget = gpu_count * (gpu_memory_gb * gpu_memory_utilization - NON_KV_OVERHEAD_GB) - arch.weight_bytes() / 1e9
     kv_tokens = max(kv_budget, 0.5) * 1e9 / arch.kv_bytes_per_token()
     num_blocks = max(int(kv_tokens // block_size), math.ceil(max_model_len / block_size))
-    flops_per_token = 2 * (arch.active_params_b or arch.params_b) * 1e9
-    prefill_s = flops_per_token / (gpu_count * gpu_tflops(gpu) * 1e12 * PREFILL_EFFICIENCY)
+    prefill_s = prefill_s_per_token(model, gpu, gpu_count)
     return EngineSpec(
         tpot_s=tpot_prior_ms / 1000.0,
         batch_slope=arch.batch_slope,
@@ -133,7 +133,15 @@ def engine_spec(
         kv_swap_s_per_token=arch.kv_bytes_per_token() / (gpu_count * HOST_TO_GPU_GBPS * 1e9),
         host_kv_tokens=int(gpu_count * SWAP_SPACE_GB * 1e9 // arch.kv_bytes_per_token()),
         moe=moe,
+        prefix_caching=prefix_caching,
     )
+
+
+def prefill_s_per_token(model: str, gpu: str, gpu_count: int = 1) -> float:
+    """Seconds a prefill pass spends on one prompt token: the profile's prior (the engine model's, and the
+    gateway's price of a prompt's uncached tokens)."""
+    arch = arch_for(model)
+    return 2 * (arch.active_params_b or arch.params_b) * 1e9 / (gpu_count * gpu_tflops(gpu) * 1e12 * PREFILL_EFFICIENCY)
 
 
 def moe_spec(moe) -> MoeSpec | None:
@@ -159,4 +167,4 @@ def spec_for_instance(inst) -> EngineSpec:
     return engine_spec(model=inst.model, gpu=inst.gpu, gpu_count=inst.gpu_count, gpu_memory_gb=inst.gpu_memory_gb,
                        gpu_memory_utilization=inst.gpu_memory_utilization, tpot_prior_ms=inst.tpot_prior_ms,
                        max_num_seqs=inst.max_num_seqs, max_model_len=inst.max_model_len,
-                       moe=moe_spec(getattr(inst, "moe", None)))
+                       moe=moe_spec(getattr(inst, "moe", None)), prefix_caching=getattr(inst, "prefix_caching", True))

@@ -1,7 +1,9 @@
 """One emulated vLLM instance: the engine model plus what the HTTP layer needs.
 
 The pool's ticker advances every engine to the current loop time and calls
-`deliver`, which wakes the streams that got tokens and records vLLM metrics.
+`deliver`, which wakes the streams that got tokens, records vLLM metrics and,
+where the instance has `kv_events`, publishes what entered and left its prefix
+cache as vLLM's KV-cache events (kv_events.py).
 """
 
 from __future__ import annotations
@@ -11,17 +13,21 @@ import itertools
 import random
 
 from gateway.core.engine.engine import Engine, EngineSpec, Sequence, StepReport
+from gateway.lab.emulator.kv_events import KvEventPublisher
 from gateway.lab.emulator.settings import FaultsConfig
 from gateway.lab.emulator.vllm_metrics import VllmMetrics
 
 
 class EmulatedInstance:
-    def __init__(self, cfg, faults: FaultsConfig, spec: EngineSpec, *, now: float, seed: int):
-        """`cfg`: the instance's config entry; `spec`: its engine model (settings.engine_for)."""
+    def __init__(self, cfg, faults: FaultsConfig, spec: EngineSpec, *, now: float, seed: int, key: str):
+        """`cfg`: the instance's config entry (at `key`, e.g. "instances[3]"); `spec`: its engine model
+        (settings.engine_for)."""
         self.cfg = cfg
         self.name: str = cfg.name
         self.model: str = cfg.model
-        self.engine = Engine(spec, now=now)
+        self.engine = Engine(spec, now=now, record_events=cfg.kv_events is not None)
+        self.events = (KvEventPublisher(cfg.kv_events, spec.block_size, f"{key}.kv_events")
+                       if cfg.kv_events is not None else None)
         self.metrics = VllmMetrics(
             cfg.model,
             max_num_seqs=spec.max_num_seqs,
@@ -29,7 +35,9 @@ class EmulatedInstance:
             block_size=spec.block_size,
             num_gpu_blocks=spec.num_gpu_blocks,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_prefix_caching=spec.prefix_caching,
         )
+        self._cache_counted = (0, 0)  # the cache's queries and hits the metrics page has counted
         self.faults = faults  # replaced whole (it is frozen) when a knob changes
         self.rng = random.Random(f"{seed}:{cfg.name}")
         self._ids = itertools.count()
@@ -41,11 +49,16 @@ class EmulatedInstance:
     def should_fail(self) -> bool:
         return self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate
 
-    def submit(self, rid: str, *, prompt_tokens: int, max_tokens: int, output_tokens: int,
-               now: float, domain: str | None = None) -> tuple[Sequence, asyncio.Event]:
-        """Queue a request on the engine; `domain` (the prompt's kind) picks its experts on an MoE instance."""
+    def submit(self, rid: str, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float,
+               domain: str | None = None, ids: list[int] | None = None,
+               prefix: tuple[int, ...] = ()) -> tuple[Sequence, asyncio.Event]:
+        """Queue a request on the engine; `domain` (the prompt's kind) picks its experts on an MoE instance;
+        `prefix`: the chained hashes of the full blocks of its prompt's token `ids` (its cache lookup)."""
         seq = self.engine.add(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
-                              now=now, domain=domain)
+                              now=now, domain=domain, prefix=prefix)
+        if self.events is not None and seq.prefix:
+            assert ids is not None  # a prefix is hashed from ids
+            self.events.blocks.add(ids, seq.prefix)
         wake = asyncio.Event()
         self._wakeups[rid] = wake
         return seq, wake
@@ -57,6 +70,23 @@ class EmulatedInstance:
             aborted = self.engine.abort(seq.rid, now)
             if aborted is not None:
                 self._observe_finished(aborted)
+        if self.events is not None and seq.prefix:
+            self.events.blocks.drop(seq.prefix)
+
+    def went_down(self) -> None:
+        """The instance went down (its port is closed): its prefix cache is lost, and subscribers are told at once
+        (AllBlocksCleared; the publisher, which belongs to the emulator's process, stays up and keeps numbering).
+        Blocks that requests still hold stay until the HTTP side aborts them as their connections drop."""
+        if self.engine.cache is None:
+            return
+        self.engine.take_cache_events()  # what changed before is moot once the cache is cleared
+        self.engine.cache.clear()
+        if self.events is not None:
+            self.events.publish([["AllBlocksCleared"]])
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
     def deliver(self, report: StepReport) -> None:
         for seq in report.progressed:
@@ -71,9 +101,16 @@ class EmulatedInstance:
             self.metrics.add_preemptions(report.preemptions)
         for gap, count in report.inter_token:
             self.metrics.observe_inter_token(gap, count)
+        if self.events is not None:
+            self.events.publish_changes(*self.engine.take_cache_events(), self.engine.cache)
 
     def render_metrics(self) -> bytes:
         self.metrics.set_state(self.engine.num_running, self.engine.num_waiting, self.engine.kv_usage())
+        cache = self.engine.cache
+        if cache is not None:  # the engine keeps running totals; the counters take what came since the last page
+            queries, hits = self._cache_counted
+            self.metrics.add_prefix_cache(cache.queries - queries, cache.hits - hits)
+            self._cache_counted = (cache.queries, cache.hits)
         return self.metrics.render()
 
     def _observe_finished(self, seq: Sequence) -> None:

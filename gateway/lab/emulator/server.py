@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway.api.sse import DONE, SSE_HEADERS, json_event
 from gateway.core.engine.profiles import arch_for
+from gateway.core.prefix import block_hashes
 from gateway.lab.emulator.instance import EmulatedInstance
 from gateway.lab.emulator.logprobs import MAX_LOGPROBS, TokenLogprobs, chat_content, completion_logprobs
 from gateway.lab.emulator.outputs import Answer, OutputLengths
@@ -28,6 +29,9 @@ from gateway.tokens import TokenCounter, content_text
 
 INSTANCE_KEY = web.AppKey("instance", EmulatedInstance)
 POOL_KEY = web.AppKey("pool", object)
+# vLLM takes any non-empty `cache_salt`; the emulator bounds it as the gateway bounds a client's
+# (serving/prefixes.py), so a request body cannot make it hash megabytes.
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
@@ -41,8 +45,9 @@ class _BadRequest(Exception):
         self.param = param
 
 
-def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
-    """The prompt text (for the length lookup) and its token count, counted as the gateway counts it."""
+def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, list[int] | None, int]:
+    """The prompt text (for the length lookup), its token ids (None without the tokenizer) and its token count,
+    counted as the gateway counts it: one encode gives both the ids and the count."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -51,14 +56,29 @@ def _prompt_of(body: dict, chat: bool, tokens: TokenCounter) -> tuple[str, int]:
         last_user = [t for m, t in zip(messages, texts, strict=True) if isinstance(m, dict) and m.get("role") == "user"]
         tools = body.get("tools")
         tools = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
+        ids = tokens.chat_ids(messages, tools)
         # Labels are keyed by the last user turn, which is what a router sees as "the prompt".
-        return (last_user[-1] if last_user else "") or texts[-1], tokens.count_chat(messages, tools)
+        return ((last_user[-1] if last_user else "") or texts[-1], ids,
+                len(ids) if ids is not None else tokens.count_chat(messages, tools))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _BadRequest("'prompt' must be a string", "prompt")
-    return prompt, max(1, tokens.count(prompt))  # the engine needs a token to prefill
+    ids = tokens.ids(prompt)
+    return prompt, ids, max(1, len(ids) if ids is not None else tokens.count(prompt))  # the engine needs a token
+
+
+def _cache_salt(body: dict) -> str | None:
+    """The request's `cache_salt` (vLLM's: its prompt's blocks are cached apart from every other salt's);
+    a bad one raises _BadRequest with vLLM's message."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise _BadRequest(f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters.",
+                          "cache_salt")
+    return salt
 
 
 def _int_param(value: object) -> bool:
@@ -125,10 +145,14 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(400, "body is not valid JSON")
     if not isinstance(body, dict):
         return _error(400, "body must be a JSON object")
+    try:  # vLLM validates the body (its pydantic model) before it looks at the model
+        salt = _cache_salt(body)
+    except _BadRequest as e:
+        return _error(400, str(e), param=e.param)
     if body.get("model") not in (None, inst.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
     try:
-        text, prompt_tokens = _prompt_of(body, chat, pool.token_counter)
+        text, ids, prompt_tokens = _prompt_of(body, chat, pool.token_counter)
     except _BadRequest as e:
         return _error(400, str(e), param=e.param)
     if body.get("n") not in (None, 1):
@@ -172,8 +196,11 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
                                       tokens=min(output_tokens, max_tokens), emulator_seed=pool.lengths.seed,
                                       request_seed=request_seed)
     render = _Render(chat, answer, top_n, lp)
+    spec = inst.engine.spec
+    # An instance that caches looks its prompt up by the chained hashes of its full blocks (none without ids).
+    prefix = block_hashes(ids, spec.block_size, salt) if ids is not None and spec.prefix_caching else ()
     seq, wake = inst.submit(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
-                            now=loop_now, domain=pool.lengths.domain_of(text))
+                            now=loop_now, domain=pool.lengths.domain_of(text), ids=ids, prefix=prefix)
     pool.kick()
     created = int(time.time())
     try:
@@ -190,9 +217,16 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         pool.kick()
 
 
-def _usage(seq) -> dict:
-    return {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + seq.generated,
-            "completion_tokens": seq.generated}
+def _usage(seq, details: bool = True) -> dict:
+    """vLLM's usage of a request; `details`: with the prompt tokens found in the prefix cache, as vLLM sends them
+    with --enable-prompt-tokens-details in an answer and in a stream's usage chunk (not in the running usage of
+    continuous_usage_stats). vLLM leaves the details out when nothing was cached; the emulator always sends
+    them, as OpenAI does."""
+    usage = {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + seq.generated,
+             "completion_tokens": seq.generated}
+    if details:
+        usage["prompt_tokens_details"] = {"cached_tokens": seq.cached_tokens or 0}
+    return usage
 
 
 def _full_body(chat: bool, rid: str, created: int, model: str, seq, render: _Render) -> dict:
@@ -216,7 +250,8 @@ async def _stream(request, chat, rid, created, model, seq, wake, render: _Render
     head = {"id": rid, "object": obj, "created": created, "model": model}
 
     def chunk(choice: dict) -> bytes:
-        return json_event({**head, "choices": [choice], **({"usage": _usage(seq)} if continuous_usage else {})})
+        return json_event({**head, "choices": [choice],
+                           **({"usage": _usage(seq, details=False)} if continuous_usage else {})})
 
     if chat:
         await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -288,9 +323,15 @@ class EmulatedPool:
         loop_now = asyncio.get_running_loop().time()
         settings = emulator_of(config)
         seed = settings.seed
-        self.instances = {c.name: EmulatedInstance(c, faults_of(config, k), engine_for(config, c), now=loop_now,
-                                                    seed=seed)
-                          for k, c in enumerate(config.instances)}
+        self.instances: dict[str, EmulatedInstance] = {}
+        try:
+            for k, c in enumerate(config.instances):
+                self.instances[c.name] = EmulatedInstance(c, faults_of(config, k), engine_for(config, c),
+                                                          now=loop_now, seed=seed, key=f"instances[{k}]")
+        except BaseException:  # an instance that cannot publish its KV-cache events: free the others' sockets
+            for inst in self.instances.values():
+                inst.close()
+            raise
         means = {c.model: arch_for(c.model).mean_output_tokens for c in config.instances}
         self.lengths = lengths or OutputLengths(means, seed=seed)
         self.token_counter = TokenCounter()
@@ -310,6 +351,8 @@ class EmulatedPool:
             self._timer.cancel()
         for name in list(self._runners):
             await self._close(name)
+        for inst in self.instances.values():
+            inst.close()
 
     def address(self, name: str) -> tuple[str, int]:
         parts = urlsplit(self.instances[name].cfg.url)
@@ -351,7 +394,11 @@ class EmulatedPool:
         inst = self.instances[name]
         was_down, inst.faults = inst.faults.down, faults
         if faults.down != was_down:
-            await (self._close(name) if faults.down else self._open(name))
+            if faults.down:
+                await self._close(name)
+                inst.went_down()
+            else:
+                await self._open(name)
 
     # ---- ticker ------------------------------------------------------------
     def kick(self) -> None:

@@ -172,6 +172,7 @@ class VllmMetrics:
         block_size: int,
         num_gpu_blocks: int,
         gpu_memory_utilization: float,
+        enable_prefix_caching: bool = True,
         extra_cache_info: Mapping[str, object] | None = None,
     ) -> None:
         if max_model_len < 1:
@@ -185,6 +186,7 @@ class VllmMetrics:
         self.block_size = int(block_size)
         self.num_gpu_blocks = int(num_gpu_blocks)
         self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
 
         reg = self.registry = CollectorRegistry()
         labelnames = ("model_name", "engine")
@@ -316,7 +318,7 @@ class VllmMetrics:
             "is_attention_free": False,
             "num_gpu_blocks_override": None,
             "sliding_window": None,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": self.enable_prefix_caching,
             "prefix_caching_hash_algo": "sha256",
             "cpu_offload_gb": 0,
             "calculate_kv_scales": False,
@@ -360,7 +362,8 @@ class VllmMetrics:
             self._preemptions.inc(n)
 
     def add_prefix_cache(self, queries: int, hits: int) -> None:
-        """Prefix-cache lookups in tokens (only if the emulator models it)."""
+        """Prefix-cache lookups in tokens: prompt tokens looked up, and of those found cached. vLLM registers
+        both counters whether or not it caches, so an instance that does not stays at 0."""
         if queries:
             self._prefix_queries.inc(queries)
         if hits:

@@ -9,6 +9,7 @@ from gateway.lab.experiments import (
     best_route_labelled,
     eldr_eval,
     labelled_sweep,
+    prefix_sweeps,
     progressive_eval,
     qos_eval,
     slo_sweeps,
@@ -45,6 +46,9 @@ ON_CAPACITY: dict[str, tuple[Callable[[int, float], list[Cell]], Callable[[Seque
     "labelled": (labelled_sweep.cells, labelled_sweep.pairs, labelled_sweep.capacity_cell),
     "best_route_labelled": (best_route_labelled.cells, best_route_labelled.pairs, labelled_sweep.capacity_cell),
     "avengers_labelled": (avengers_labelled.cells, avengers_labelled.pairs, labelled_sweep.capacity_cell)}
+# Sweeps on prompts that share prefixes: their rates are shares of the pool's capacity on each source.
+PREFIX_SWEEPS = {"prefix": (prefix_sweeps.cells, prefix_sweeps.pairs, prefix_sweeps.capacities)}
+REQUESTS["prefix"] = prefix_sweeps.TRACE_REQUESTS
 REQUESTS["labelled"] = labelled_sweep.REQUESTS
 REQUESTS["best_route_labelled"] = best_route_labelled.REQUESTS
 REQUESTS["avengers_labelled"] = avengers_labelled.REQUESTS

@@ -513,6 +513,24 @@ def labelled(rows: list[dict], out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "labelled.png")]
 
 
+def prefix(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per prompt source (a row of panels): mean TTFT, p99 TTFT and prefix hit rate against load, one banded line
+    per cell label (RouteBalance's prefix modes and the baselines)."""
+    sources = _by(rows, "prompts")
+    fig, axes = _pyplot().subplots(len(sources), 3, figsize=(15, 4.4 * len(sources)), squeeze=False)
+    for row, (source, rs) in zip(axes, sources.items(), strict=True):
+        for k, (label, cells) in enumerate(_by(rs, "label").items()):
+            for ax, figure in zip(row, ("ttft_mean", "ttft_p99", "prefix_hit_rate"), strict=True):
+                _band(ax, cells, "load", figure, f"C{k % 10}", label=label)
+        row[0].set(xlabel="share of the pool's capacity", ylabel="mean TTFT (s)", title=f"{source}: mean TTFT")
+        row[1].set(xlabel="share of the pool's capacity", ylabel="p99 TTFT (s)", title=f"{source}: p99 TTFT")
+        row[2].set(xlabel="share of the pool's capacity", ylabel="share of prompt tokens from cache",
+                   title=f"{source}: prefix hit rate")
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    return [_save(fig, out_dir / "prefix.png")]
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -545,4 +563,6 @@ def plot_sweep(name: str, rows: list[dict], out_dir: Path, pairs: Sequence[dict]
         return progressive(rows, out_dir)
     if name == "labelled":
         return labelled(rows, out_dir)
+    if name == "prefix":
+        return prefix(rows, out_dir)
     return []

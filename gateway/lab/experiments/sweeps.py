@@ -509,7 +509,9 @@ def _run_part(cell: Cell, evalset, est, seed: int, requests: int):
         from gateway.lab.sim.pools import named
 
         cfg, evalset = named(cell.tags["pool"])(cfg, evalset)
-    spec = dataclasses.replace(cell.spec, seed=seed, requests=min(requests, len(evalset)))
+    # A prefix-sharing cell borrows the held-out prompts round and round (sim/prefixed_cells.py).
+    spec = dataclasses.replace(cell.spec, seed=seed, requests=cell.spec.requests if cell.spec.prefixed
+                               else min(requests, len(evalset)))
     return run_cell(configured(cfg, cell.config_changes), evalset, spec, est)
 
 

@@ -39,6 +39,7 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
       tokens after the first; vLLM's and ELDR's TPOT), over the served requests of two tokens or more;
     - qos: mean over every request of quality x [time per token <= its bound] (QoS paper Eq. 1;
       refused: 0); NaN when no request has a bound;
+    - prefix_hit_rate: share of all prompt tokens the instances found in their prefix caches;
     - progressive cells only: progressive_share (requests served progressively), quality_oracle (quality
       if the expansions' models decide it, sim/progressive.py) and fallback_<reason> (share routed
       normally for that reason).
@@ -61,6 +62,7 @@ def summarise(outcomes: Sequence, models: Sequence[str]) -> dict[str, float | di
         "ttft_mean": _mean(ttft),
         "throughput": len(served) / (end - start) if end > start else 0.0,
         "cost_mean": float(np.mean([o.cost_usd for o in outcomes])),
+        "prefix_hit_rate": (sum(o.cached_tokens for o in outcomes) / max(sum(o.prompt_tokens for o in outcomes), 1)),
         "residual_mean": _mean(residual),
         "budget_exhaustion": (sum(1 for o in budgeted if o.instance < 0 or o.budget_cut) / len(budgeted)
                               if budgeted else 0.0),
@@ -106,8 +108,9 @@ def _pct(x: np.ndarray, p: float) -> float:
 
 # The figures reported with a 95% interval (`<name>_lo`, `<name>_hi`) when a cell runs on several seeds.
 # SLO figures get one only in cells whose requests carry SLOs.
-HEADLINE = ("quality", "e2e_mean", "e2e_p99", "ttft_mean", "cost_mean", "throughput", "budget_exhaustion", "refused",
-            "slo_attainment", "qos", "tpot_mean", "decode_tpot_p50", "decode_tpot_p99")
+HEADLINE = ("quality", "e2e_mean", "e2e_p99", "ttft_mean", "ttft_p50", "ttft_p99", "cost_mean", "throughput",
+            "budget_exhaustion", "refused", "slo_attainment", "qos", "tpot_mean", "decode_tpot_p50", "decode_tpot_p99",
+            "prefix_hit_rate")
 PAIRED = ("quality", "e2e_mean")  # the figures a paired comparison of two cells reports
 
 
@@ -132,6 +135,8 @@ class RequestArrays:
     tpot: np.ndarray  # s per answer token, arrival to last token (NaN if refused)
     qos: np.ndarray  # quality x [tpot <= its bound] (0 if refused), NaN without a bound
     decode_tpot: np.ndarray  # s per answer token after the first, first token to last (NaN: refused, < 2 tokens)
+    # cached prompt tokens over the run's mean prompt tokens: its mean is the run's prefix hit rate
+    cached_share: np.ndarray
 
     @classmethod
     def of(cls, outcomes: Sequence, models: Sequence[str]) -> RequestArrays:
@@ -169,6 +174,8 @@ class RequestArrays:
             qos=np.where(np.isnan(bound), np.nan,
                          np.where(served & slo_met(np.nan_to_num(tpot, nan=np.inf), bound), quality, 0.0)),
             decode_tpot=decode_tpot,
+            cached_share=np.array([o.cached_tokens for o in outcomes], dtype=float)
+            / max(float(np.mean([o.prompt_tokens for o in outcomes])), 1.0),
         )
 
     @property
@@ -189,9 +196,10 @@ def request_figures(runs: Sequence[RequestArrays]) -> dict[str, tuple[np.ndarray
     exhausted = stacked(lambda r: r.budget_exhausted)
     if np.isnan(exhausted).all():
         exhausted = np.zeros_like(exhausted)  # no budgets: summarise reports 0, and so does its interval
-    e2e = stacked(lambda r: r.e2e)
+    e2e, ttft = stacked(lambda r: r.e2e), stacked(lambda r: r.ttft)
     figures = {"quality": (stacked(lambda r: r.quality), "mean"), "e2e_mean": (e2e, "mean"), "e2e_p90": (e2e, 90.0),
-               "e2e_p99": (e2e, 99.0), "ttft_mean": (stacked(lambda r: r.ttft), "mean"),
+               "e2e_p99": (e2e, 99.0), "ttft_mean": (ttft, "mean"), "ttft_p50": (ttft, 50.0),
+               "ttft_p99": (ttft, 99.0), "prefix_hit_rate": (stacked(lambda r: r.cached_share), "mean"),
                "cost_mean": (stacked(lambda r: r.cost), "mean"),
                "budget_exhaustion": (exhausted, "mean"), "refused": (stacked(lambda r: r.refused), "mean"),
                "tpot_mean": (stacked(lambda r: r.tpot), "mean")}

@@ -25,6 +25,14 @@ scrapes and batches), all dispatch to the same engines, and they share their
 in-flight accounting late through replicas.SharedState. One replica is the
 R = 1 case of the same code: nothing is shared and no sync tick comes.
 
+Engines cache prompt prefixes as vLLM does (engine/prefix_cache.py) and the
+gateway indexes what it sent where (core/prefix.py): every prompt carries
+the chained hashes of its token blocks, the held-out prompts' from their
+real tokens through the chat template, a prefix-sharing cell's
+(`CellSpec.prefixed`: the Mooncake trace or the synthetic multi-turn mix,
+sim/prefixed_cells.py) from its segments. `CellSpec.prefix_cache` sets what
+the gateway knows ([scheduler] prefix_cache); the engines cache either way.
+
 In a progressive cell (`CellSpec.progressive`, PICE) a request the fallback
 rule admits is a sketch on the largest tier; its expansions are requests of
 their own, arriving when the sketch ends, and its outcome is folded from
@@ -34,8 +42,10 @@ theirs (sim/progressive.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,12 +58,14 @@ from gateway.core.engine.shared_gpu import SharedGpu, gpu_groups
 from gateway.core.loop import SchedulingLoop
 from gateway.core.policy import Policy
 from gateway.core.pool_state import EngineSnapshot, PoolState
+from gateway.core.prefix import REPORTED_SLACK, ReportedBlocks, block_hashes
 from gateway.core.request import Completion, Estimates, Refusal, RouteRequest, Ticket
 from gateway.core.slo import check_slo_mix, slo_class
 from gateway.core.view import PoolView
 from gateway.lab.emulator.settings import engine_for
 from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
 from gateway.lab.sim.evalset import EvalSet
+from gateway.lab.sim.prefixed_cells import PrefixSource, prefixed_rows
 from gateway.lab.sim.progressive import ProgressivePlans, fold, plan_all, row_lengths
 from gateway.lab.sim.replicas import SharedState, replica_of
 from gateway.policies import registry
@@ -99,9 +111,16 @@ class CellSpec:
     staleness_s: float = 0.0
     # Every request asks for progressive mode (PICE; sim/progressive.py), with the config's [progressive].
     progressive: bool = False
+    # Prompts that share prefixes (sim/prefixed_cells.py) instead of the held-out prompts in order.
+    prefixed: PrefixSource | None = None
+    prefix_cache: str | None = None  # what the gateway knows of the engines' caches (None: the config's)
 
     def __post_init__(self):
         check_slo_mix(self.slos)
+        if self.prefix_cache not in (None, "approximate", "events", "off"):
+            raise ValueError(f"unknown prefix_cache {self.prefix_cache!r} (known: approximate, events, off)")
+        if self.prefixed is not None and (self.progressive or self.mega_share or self.models):
+            raise ValueError("prefix-sharing cells carry no progressive mode, mega prompts or model mixes")
         if self.progressive and (self.budget_share or self.slos or self.mega_share or self.models
                                  or self.tpot_slo_s is not None):
             raise ValueError("progressive cells carry no budgets, SLOs, mega prompts or model mixes")
@@ -132,6 +151,7 @@ class Outcome:
     evictions: int = 0  # times its policy aborted it on an instance and held it again
     mode: str = "normal"  # progressive cells: "progressive", or why it was routed normally (the fallback rule)
     quality_oracle: float = math.nan  # progressive: the mean label of each point's best expansion (an oracle pick)
+    cached_tokens: int = 0  # prompt tokens its instance found in its prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +201,8 @@ def shared_gpus(cfg, spec: CellSpec) -> list[SharedGpu]:
     """Every instance's engine (in the config's world), on a GPU of its own or time-sharing one with those of
     its `gpu_id`."""
     instances = cfg.instances
-    return [SharedGpu({k: Engine(engine_for(cfg, instances[k])) for k in group},
+    events = cfg.scheduler.prefix_cache == "events"  # the engines publish what they cache and evict
+    return [SharedGpu({k: Engine(engine_for(cfg, instances[k]), record_events=events) for k in group},
                       {k: load_seconds(instances[k].model, instances[k].gpu_count) for k in group}, spec.host_slots)
             for group in gpu_groups(instances)]
 
@@ -210,6 +231,8 @@ class Replica:
         self.busy_until = 0.0  # its scheduler's worker is computing a batch until then
         self.pending: tuple[float, list[Ticket], list] | None = None  # a decided batch: (when it is dispatched, ...)
         self.window = None
+        # prompts the others sent, (readable from, instance, blocks), in time order (share_prefixes)
+        self.mail: deque[tuple[float, str, tuple[int, ...]]] = deque()
 
     @property
     def pool_state(self) -> PoolState:
@@ -221,11 +244,15 @@ class Simulation:
     (one unless `spec.replicas` says otherwise; replicas.py for how several share their accounting)."""
 
     def __init__(self, cfg, evalset: EvalSet, spec: CellSpec, estimators=None):
-        ev = self.ev = evalset.take(spec.requests)
         self.spec = spec
         # The cell's policy is the default one, so its `order` hook orders the queue as it would live.
-        cfg = self.cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=spec.policy))
+        scheduler = dataclasses.replace(cfg.scheduler, policy=spec.policy)
+        if spec.prefix_cache is not None:
+            scheduler = dataclasses.replace(scheduler, prefix_cache=spec.prefix_cache)
+        cfg = self.cfg = dataclasses.replace(cfg, scheduler=scheduler)
         instances = self.instances = cfg.instances
+        ev, times, max_tokens, self.prefix, session = _prompts(cfg, evalset, spec)
+        self.ev = ev
         named = named_models(spec, len(ev))
         serving = {m: tuple(k for k, inst in enumerate(instances) if m in (None, inst.model)) for m in set(named)}
         if not all(serving.values()):
@@ -249,7 +276,7 @@ class Simulation:
             # Replicas start at unrelated times: their scrapes are spread over the interval.
             self.replicas.append(Replica(k, scheduling, policy, k * self.scrape_every / spec.replicas))
         policy = self.replicas[0].policy
-        self.times = arrival_times(spec.arrivals, len(ev), spec.seed)
+        self.times = arrival_times(spec.arrivals, len(ev), spec.seed) if times is None else times
         mega = megas(spec, len(ev))
         prompt_tokens = np.where(mega, spec.mega_tokens[0], ev.prompt_tokens)
         self.label_length = np.where(mega[:, None], spec.mega_tokens[1], ev.label_length)
@@ -267,9 +294,10 @@ class Simulation:
         self.outcomes = [Outcome(float(t), prompt_tokens=int(prompt_tokens[r]), budget_usd=budget_of[r],
                                  slo_s=slo_of[r], slo_class=class_of[r], tpot_slo_s=spec.tpot_slo_s)
                          for r, t in enumerate(self.times)]
-        self.tickets = [Ticket(RouteRequest(serving[named[r]], ev.prompts[r], int(prompt_tokens[r]), spec.max_tokens,
+        self.tickets = [Ticket(RouteRequest(serving[named[r]], ev.prompts[r], int(prompt_tokens[r]), int(max_tokens[r]),
                                             spec.weights, budget_of[r], spec.policy, slo_s=slo_of[r],
-                                            tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r]),
+                                            tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r], prefix=self.prefix[r],
+                                            session=session[r]),
                                named[r] or "", streaming=slo_of[r] is None or slo_of[r] < spec.stream_below_s,
                                config=cfg, handle=r) for r in range(len(ev))]
         if self.plans:
@@ -328,8 +356,26 @@ class Simulation:
                 if self.moe[k]:
                     self.experts += report.experts
                     self.moe_steps += report.steps
+        if self.cfg.scheduler.prefix_cache == "events":
+            self.publish_cache_events()
         if self.sketching:
             self.sketched(t)
+
+    def publish_cache_events(self) -> None:
+        """Every replica reads the engines' KV-cache events as they happen (exact, without delay). The engines'
+        hashes are the gateway's own here (one function, one block size), so no re-hashing is needed."""
+        for inst, e in zip(self.instances, self.engines, strict=True):
+            stored, removed = e.take_cache_events()
+            if not (stored or removed):
+                continue
+            for rep in self.replicas:
+                state = rep.pool_state.of(inst.name)
+                if state.reported is None:
+                    state.reported = ReportedBlocks(REPORTED_SLACK * e.spec.num_gpu_blocks, e.spec.block_size)
+                    state.events_ok = True
+                # The two lists lose how stores and evictions interleaved: what the cache holds now decides.
+                state.reported.index.remove([h for h in removed if h not in e.cache])
+                state.reported.index.record([h for h in stored if h in e.cache])
 
     def warm(self, rep: Replica, t: float) -> None:
         """The policy's warm start: the models it wants in host memory next."""
@@ -359,7 +405,8 @@ class Simulation:
                 rep.pool_state.unreachable(inst.name, t, self.cfg.health)  # a scrape that cannot connect is a failure
                 continue
             rep.pool_state.of(inst.name).scraped(
-                EngineSnapshot(e.num_running, e.num_waiting, e.kv_usage(), self.generated[k], self.prefilled[k]), t)
+                EngineSnapshot(e.num_running, e.num_waiting, e.kv_usage(), self.generated[k], self.prefilled[k],
+                               e.spec.num_gpu_blocks), t)
 
     def tick(self, rep: Replica, t: float) -> None:
         """The replica's sync tick: it publishes its share of the work (as of what it has heard) and reads
@@ -368,6 +415,22 @@ class Simulation:
         self.shared.publish(rep.index, rep.pool_state, self.instances, t)
         self.shared.read(rep.index, rep.pool_state, t)
         self.shared.ticked(rep.index)
+        self.share_prefixes(rep, t)
+
+    def share_prefixes(self, rep: Replica, t: float) -> None:
+        """The prompts the replica sent since its last tick are published, readable by the others `delay_s`
+        later, and it reads what the others published that it can see by now, into its approximate index (live:
+        state/prefixes.py's Redis stream, written and read at each sync)."""
+        outbox = rep.pool_state.sent_outbox
+        while outbox:
+            name, prefix = outbox.popleft()
+            for other in self.replicas:
+                if other is not rep:
+                    other.mail.append((t + self.shared.delay_s, name, prefix))
+        bound = self.cfg.scheduler.prefix_index_max_blocks
+        while rep.mail and rep.mail[0][0] <= t:
+            _, name, prefix = rep.mail.popleft()
+            rep.pool_state.sent_prompt(name, prefix, bound, by_peer=True)
 
     def look(self, rep: Replica, t: float) -> None:
         """Before a decision: with instant sharing, the replica reads every other one's work as it is now."""
@@ -377,6 +440,8 @@ class Simulation:
             if other is not rep:
                 self.sync(other, t)
                 self.shared.publish(other.index, other.pool_state, self.instances, t)
+                self.share_prefixes(other, t)
+        self.share_prefixes(rep, t)
         self.shared.read(rep.index, rep.pool_state, t)
 
     # ---- what a replica does -------------------------------------------------------------------------
@@ -440,7 +505,8 @@ class Simulation:
                 if held_on is not None:
                     self.unpark(rid, held_on)
                 seq = engines[i].add(rid, prompt_tokens=out.prompt_tokens, max_tokens=plan.max_tokens,
-                                     output_tokens=label, now=t, domain=self.expert_domain(rid))
+                                     output_tokens=label, now=t, domain=self.expert_domain(rid),
+                                     prefix=self.prefix[rid] if rid < len(self.prefix) else ())
             rep.in_flight[rid] = self.sequences[rid] = (i, seq)
             if self.plans and rid in self.plans.plans:
                 self.sketching.add(rid)
@@ -597,7 +663,37 @@ def _swaps(gpus: list[SharedGpu]) -> tuple[float, float]:
     return float(sum(g.swaps for g in shared)), sum(g.swap_s for g in shared)
 
 
+def _prompts(cfg, evalset: EvalSet, spec: CellSpec) -> tuple[EvalSet, np.ndarray | None, np.ndarray, tuple, tuple]:
+    """The cell's prompts: (their evaluation rows, arrival times or None for the spec's process, each one's
+    max_tokens, each one's chained block hashes, each one's session or None)."""
+    block = cfg.scheduler.prefix_block_tokens
+    if any(engine_for(cfg, inst).block_size != block for inst in cfg.instances):
+        raise ValueError(f"[scheduler] prefix_block_tokens ({block}) must be the engines' block size to simulate")
+    if spec.prefixed is None:
+        ev = evalset.take(spec.requests)
+        return ev, None, np.full(len(ev), spec.max_tokens), _prompt_blocks(ev.prompts, block), (None,) * len(ev)
+    window = min(inst.max_model_len for inst in cfg.instances)
+    rows = prefixed_rows(spec.prefixed, spec.requests, spec.arrivals.rate, spec.seed, block, window)
+    ev = evalset.rows(rows.source_row % len(evalset))
+    own = rows.output_tokens >= 0  # the trace's own answer length, on every model
+    lengths = np.where(own[:, None], np.minimum(rows.output_tokens, rows.max_tokens)[:, None], ev.label_length)
+    ev = dataclasses.replace(ev, prompt_tokens=rows.prompt_tokens, label_length=lengths)
+    return ev, rows.times, rows.max_tokens, rows.prefix, rows.session
+
+
+@functools.lru_cache(maxsize=4)  # the held-out prompts are the same in every cell of a sweep
+def _prompt_blocks(prompts: tuple[str, ...], block: int) -> tuple[tuple[int, ...], ...]:
+    """Each held-out prompt's blocks, from its real tokens as one user turn through the chat template (what
+    the gateway hashes live): only the template's default system turn is shared, so little hits."""
+    from gateway.tokens import TokenCounter
+
+    counter = TokenCounter()
+    ids = [counter.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+    return tuple(block_hashes(x, block) if x is not None else () for x in ids)
+
+
 def _record(out: Outcome, seq) -> None:
+    out.cached_tokens = seq.cached_tokens or 0
     out.first_token = seq.first_token_time if seq.first_token_time is not None else math.nan
     out.finished = seq.finish_time
     out.completion_tokens = seq.generated

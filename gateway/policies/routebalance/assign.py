@@ -6,6 +6,15 @@ Eq. 1 and take the best, then add the request to the chosen instance's
 state (dead reckoning) so the next request sees it. Quality and length are
 prompt-intrinsic and come in once per batch; latency depends on instance
 state and is re-derived after every dispatch.
+
+The paper's latency is decode only. Where the gateway knows what each
+instance holds in its prefix cache ([scheduler] prefix_cache, core/prefix.py)
+the latency gains the seconds to prefill what a candidate would compute
+(`scoring.prefill_latency`): the prompt minus the prefix it holds, at its
+tier's prefill rate, counted for the request and for each request running
+there (a prefill step holds the whole decode batch). So a warm instance wins
+by what it saves, and only while its queue does not cost more than that:
+load stays priced, a warm instance is preferred, not flooded.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import numpy as np
 from gateway.config_schema import Section, section
 from gateway.core.budget import predicted_cost, within_budget
 from gateway.core.request import Decision, Estimates, Refusal, RouteRequest
-from gateway.core.scoring import QualityTerm, eq1, expected_latency, quality_term
+from gateway.core.scoring import QualityTerm, eq1, expected_latency, prefill_latency, quality_term
 from gateway.core.view import PoolView
 
 # Feature rows for a TPOT head: instance state (view.STATE_FEATURES) + prompt and answer tokens.
@@ -120,7 +129,7 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
         chosen = decision.ranked[0] if decision.ranked else None
         if chosen is not None:
             tokens = float(est.length[r, chosen])
-            view.dispatched(chosen, tokens, req.input_tokens)
+            view.dispatched(chosen, tokens, req.input_tokens, req.prefix)
             if k + 1 < len(batch):  # the last request's dispatch has no one left to inform
                 latency.dispatched(view, chosen)
     return [decisions[r] for r in range(len(batch))]
@@ -135,6 +144,9 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     else:
         t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands],
                              view.running[cands], view.waiting[cands], view.max_num_seqs[cands])
+    cached = view.cached_tokens(req.prefix, req.input_tokens)[cands] if view.knows_prefixes else None
+    if cached is not None:
+        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, cached, view.running[cands])
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
@@ -143,6 +155,7 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
             return Decision((), refused=refusal(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
                                                 view.price_out[cands], options.budget_filter, req.n))
         cands, length, cost, t, quality = cands[keep], length[keep], cost[keep], t[keep], quality[keep]
+        cached = cached[keep] if cached is not None else None
     weights = req.weights
     if options.latency_term == "off":
         weights = (weights[0], 0.0, weights[2])
@@ -162,7 +175,8 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
         ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
-                    latency_s=float(t[best]), tokens=float(length[best]))
+                    latency_s=float(t[best]), tokens=float(length[best]),
+                    cached_tokens=float(cached[best]) if cached is not None else None)
 
 
 def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,

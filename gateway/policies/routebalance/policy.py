@@ -38,4 +38,4 @@ def build(context: PolicyContext) -> RouteBalance:
 
 OPTIONS = {"routebalance": RouteBalanceOptions}
 ENTRIES = (PolicyEntry("routebalance", build, "quality, latency and cost priced together per instance (Eq. 1)",
-                       needs_estimates=True),)
+                       needs_estimates=True, reads_prefixes=True),)

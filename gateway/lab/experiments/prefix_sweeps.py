@@ -1,0 +1,105 @@
+"""Cells whose prompts share prefixes: the pool's capacity on them, and the sweeps that compare prefix modes.
+
+Rates are shares of the pool's capacity on the prompts of the cell: served
+requests per second when far more arrives than is served, measured once per
+source (and scale, and number of requests) with the engines caching and a
+dispatcher that ignores the cache (shortest queue, the gateway's prefix
+index off), and kept in `<models_dir>/sim/`. Every prefix mode of a sweep
+runs at the same arrival rate, so they compare at equal offered load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from gateway.lab.experiments.sweeps import Cell, run_seeded
+from gateway.lab.sim.arrivals import ArrivalSpec
+from gateway.lab.sim.prefixed_cells import PrefixSource
+from gateway.lab.sim.simulator import CellSpec
+
+PROBE_RATE = 400.0  # req/s offered when measuring capacity: far above what the pool serves on these prompts
+PROBE_DISPATCHER = "passthrough+shortest_queue"
+
+
+def probe_cell(source: PrefixSource, n: int) -> Cell:
+    return Cell("passthrough", "capacity probe", CellSpec(PROBE_DISPATCHER, arrivals=ArrivalSpec(rate=PROBE_RATE),
+                                                          requests=n, prefixed=source, prefix_cache="off"))
+
+
+def capacity(config_path: str, source: PrefixSource, n: int) -> float:
+    """The pool's capacity on `source`'s first n requests, req/s (measured on first use, then read back)."""
+    from gateway.config.store import load_config
+
+    cfg = load_config(config_path)
+    path = Path(cfg.estimators.models_dir) / "sim" / "prefix-capacity.json"
+    key = _key(cfg, source, n)
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in known:
+        row = run_seeded([probe_cell(source, n)], config_path, n).rows[0]
+        known[key] = {"capacity": row["throughput"], "source": source.label(), "requests": n,
+                      "dispatcher": PROBE_DISPATCHER, "offered": PROBE_RATE}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    return float(known[key]["capacity"])
+
+
+def _key(cfg, source: PrefixSource, n: int) -> str:
+    """What the capacity depends on: the source, its scale or mix, how many requests, and the pool."""
+    pool = json.dumps([(i.name, i.model, i.gpu, i.max_num_seqs, i.max_model_len, i.prefix_caching)
+                       for i in cfg.instances])
+    what = f"{source.kind}:{Path(source.path).name}:{source.scale}:{source.mix}:{n}:{pool}"
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+# ---- the sweep: RouteBalance with and without the cache term, against the cache-aware baselines -----------
+
+LOADS = (0.3, 0.6, 0.9)
+TRACE_REQUESTS = 4000  # the trace's first 4,000 rows (about 19 minutes of it); --requests changes it
+PAIRED_FIGURES = ("ttft_mean", "ttft_p50", "ttft_p99", "e2e_p99", "quality", "cost_mean", "prefix_hit_rate")
+RB = "routebalance"
+RB_MODES = ("approximate", "events", "off")  # what the gateway knows of the engines' caches
+BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approximate index
+
+
+def sources(n: int) -> list[tuple[PrefixSource, int]]:
+    """The sweep's prompt sources and how many requests each replays: the trace's first rows, and as many of
+    the synthetic multi-turn mix."""
+    return [(PrefixSource("trace"), n), (PrefixSource("synthetic"), n)]
+
+
+def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
+    """`capacities`: the pool's capacity on each source (its label), req/s."""
+    out = []
+    for source, requests in sources(n):
+        for load in loads:
+            rate = round(load * capacities[source.label()], 3)
+            arr = ArrivalSpec(rate=rate)
+            tags = {"prompts": source.label(), "load": load}
+            for mode in RB_MODES:
+                spec = CellSpec(RB, requests=requests, arrivals=arr, prefixed=source, prefix_cache=mode)
+                out.append(Cell(RB, f"prefix_cache={mode}", spec, tags=tags))
+            for policy in BASELINES:
+                spec = CellSpec(policy, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
+                out.append(Cell(policy, policy, spec, tags=tags))
+    return out
+
+
+def pairs(cells_: list[Cell]) -> list:
+    from gateway.lab.experiments.sweeps import Pair
+
+    out = []
+    for prompts, load in dict.fromkeys((c.tags["prompts"], c.tags["load"]) for c in cells_):
+        where = {"prompts": prompts, "load": load}
+        ours = {"system": RB, "label": "prefix_cache=approximate", **where}
+        others = [("cache term off", {"system": RB, "label": "prefix_cache=off", **where}),
+                  ("events", {"system": RB, "label": "prefix_cache=events", **where})]
+        others += [(p, {"system": p, **where}) for p in BASELINES]
+        out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
+                     at=where) for name, side in others]
+    return out
+
+
+def capacities(config_path: str, n: int) -> dict[str, float]:
+    return {source.label(): capacity(config_path, source, requests) for source, requests in sources(n)}

@@ -1,0 +1,357 @@
+"""The prefix-cache baselines (gateway/policies/prefix/): vllm-router's cache_aware, llm-d's default profile and
+session affinity, on views built by hand."""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from gateway.config.sections import Config, Instance
+from gateway.config.store import default_config_path, load_config
+from gateway.core.prefix import PrefixIndex, block_hashes
+from gateway.core.request import RouteRequest
+from gateway.core.view import PoolView
+from gateway.policies import registry
+from gateway.policies.prefix.cache_aware import CacheAware, CacheAwareOptions, imbalanced
+from gateway.policies.prefix.llmd import Llmd, LlmdOptions, queue_score
+from gateway.policies.prefix.session_affinity import SessionAffinity, SessionAffinityOptions, weight
+
+BLOCK = 16
+NAMES = ("cache_aware", "llmd", "session_affinity")
+
+
+def pool(n: int = 4, model: str = "m") -> tuple[Instance, ...]:
+    return tuple(Instance(name=f"{model}{k}", url=f"http://127.0.0.1:{9001 + k}", model=model, gpu="A30-24GB",
+                          price_input_per_mtok=0.1, price_output_per_mtok=0.2, tpot_prior_ms=10.0)
+                 for k in range(n))
+
+
+def view_of(instances, in_flight=None, waiting=None, kv_usage=None, available=None, prefixes=True) -> PoolView:
+    n = len(instances)
+
+    def col(values):
+        return np.zeros(n) if values is None else np.asarray(values, dtype=float)
+
+    running = col(in_flight).copy()  # what the gateway has on an instance runs there
+    return PoolView(
+        instances=instances,
+        available=np.ones(n, dtype=bool) if available is None else np.asarray(available, dtype=bool),
+        running=running, waiting=col(waiting), kv_usage=col(kv_usage), decode_rate=np.zeros(n),
+        in_flight=col(in_flight), pending_prefill=np.zeros(n), pending_decode=np.zeros(n),
+        max_num_seqs=np.array([i.max_num_seqs for i in instances], dtype=float),
+        price_in=np.full(n, 0.1e-6), price_out=np.full(n, 0.2e-6), tpot_prior_s=np.full(n, 0.01),
+        tiers=tuple(i.model for i in instances),
+        prefixes=tuple(PrefixIndex(10_000) for _ in instances) if prefixes else (),
+        block_size=BLOCK, prefill_s=np.zeros(n),
+    )
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def request(toks: list[int] | None = None, candidates=None, n: int = 4, session: str | None = None,
+            input_tokens: int | None = None) -> RouteRequest:
+    toks = toks if toks is not None else []
+    return RouteRequest(candidates=tuple(range(n)) if candidates is None else tuple(candidates), prompt_text="p",
+                        input_tokens=len(toks) if input_tokens is None else input_tokens, max_tokens=None,
+                        weights=(1 / 3, 1 / 3, 1 / 3), prefix=block_hashes(toks, BLOCK) if toks else (),
+                        session=session)
+
+
+def hold(view: PoolView, i: int, toks: list[int]) -> None:
+    """Instance i holds the blocks of `toks` in its prefix cache."""
+    index = view.prefixes[i]
+    assert index is not None
+    index.record(block_hashes(toks, BLOCK))
+
+
+def first(decisions) -> list[int]:
+    return [d.ranked[0] for d in decisions]
+
+
+# ---- cache_aware -----------------------------------------------------------------------------------------------
+
+
+def test_cache_aware_defaults_are_vllm_routers_published_ones():
+    o = CacheAwareOptions()
+    assert (o.cache_threshold, o.balance_abs_threshold, o.balance_rel_threshold) == (0.3, 64, 1.5)
+    assert o.low_match == "least_loaded"
+
+
+def test_imbalance_needs_both_thresholds():
+    assert imbalanced(np.array([0.0, 65.0]), 64, 1.5)
+    assert not imbalanced(np.array([0.0, 64.0]), 64, 1.5)  # the spread is not above the absolute threshold
+    assert not imbalanced(np.array([200.0, 290.0]), 64, 1.5)  # 90 apart, but 290 <= 1.5 x 200
+    assert imbalanced(np.array([200.0, 301.0]), 64, 1.5)
+
+
+def test_cache_aware_sends_a_prompt_where_most_of_it_is_held_when_balanced():
+    inst = pool()
+    prompt = tokens(0, 160)  # 10 blocks; 9 can be reused (the last token is always computed)
+    view = view_of(inst, in_flight=[3, 1, 0, 2])
+    hold(view, 0, prompt[:48])  # 3 blocks: 30% of the prompt, not above the threshold
+    hold(view, 2, prompt[:64])  # 4 blocks: 40%
+    hold(view, 3, prompt)  # 9 blocks: 90%
+    d = CacheAware(CacheAwareOptions()).assign([request(prompt)], None, view)[0]
+    assert d.ranked[0] == 3 and d.detail == "cache_affinity"
+    assert d.cached_tokens == 144
+    assert sorted(d.ranked) == [0, 1, 2, 3] and d.ranked[1:] == (2, 1, 0)  # the rest least loaded first
+    assert view.in_flight[3] == 3  # dead-reckoned
+
+
+def test_cache_aware_sends_it_to_the_least_loaded_when_imbalanced_beyond_both_thresholds():
+    inst = pool()
+    prompt = tokens(0, 160)
+    policy = CacheAware(CacheAwareOptions())
+    view = view_of(inst, in_flight=[100, 40, 30, 20])  # 100 - 20 > 64 and 100 > 1.5 x 20
+    hold(view, 0, prompt)
+    d = policy.assign([request(prompt)], None, view)[0]
+    assert d.ranked == (3, 2, 1, 0) and d.detail == "load_balance"
+    # Spread beyond the absolute threshold only (100 vs 70): still balanced, so the cache wins.
+    view = view_of(inst, in_flight=[100, 70, 80, 90])
+    hold(view, 0, prompt)
+    assert policy.assign([request(prompt)], None, view)[0].ranked[0] == 0
+    # Beyond the relative threshold only (10 vs 1): balanced too.
+    view = view_of(inst, in_flight=[10, 1, 2, 3])
+    hold(view, 0, prompt)
+    assert policy.assign([request(prompt)], None, view)[0].ranked[0] == 0
+
+
+def test_cache_aware_sends_a_low_match_to_the_least_loaded():
+    inst = pool()
+    prompt = tokens(0, 160)
+    view = view_of(inst, in_flight=[0, 5, 1, 6])
+    hold(view, 3, prompt[:48])  # 30%: at the threshold, not above it
+    d = CacheAware(CacheAwareOptions()).assign([request(prompt)], None, view)[0]
+    assert d.ranked == (0, 2, 1, 3) and d.detail == "low_match_min_load"
+    # SGLang's variant: the instance holding the fewest blocks.
+    view = view_of(inst, in_flight=[0, 5, 1, 6])
+    for i, n in enumerate((80, 0, 32, 48)):
+        hold(view, i, tokens(1000 * (i + 1), n))
+    d = CacheAware(CacheAwareOptions(low_match="smallest_tree")).assign([request(prompt)], None, view)[0]
+    assert d.ranked[0] == 1 and d.detail == "low_match_smallest_tree"
+
+
+def test_cache_aware_keeps_a_batch_together_and_reckons_its_load():
+    """Within one batch the first request's prompt lands somewhere; its follow-up finds it there (dead
+    reckoning of prompts), and a burst of unrelated prompts spreads by load."""
+    inst = pool()
+    view = view_of(inst)
+    policy = CacheAware(CacheAwareOptions())
+    opening = tokens(0, 160)
+    turn2 = opening + tokens(5000, 64)
+    picks = first(policy.assign([request(opening), request(turn2)], None, view))
+    assert picks[0] == picks[1]
+    view = view_of(inst)
+    burst = [request(tokens(10_000 * (k + 1), 64)) for k in range(8)]
+    assert Counter(first(policy.assign(burst, None, view))) == Counter({0: 2, 1: 2, 2: 2, 3: 2})
+
+
+def test_cache_aware_without_a_prefix_index_balances_load():
+    inst = pool()
+    view = view_of(inst, in_flight=[2, 0, 1, 3], prefixes=False)
+    d = CacheAware(CacheAwareOptions()).assign([request(tokens(0, 160))], None, view)[0]
+    assert d.ranked == (1, 2, 0, 3) and d.cached_tokens is None
+
+
+def test_cache_aware_skips_an_unavailable_instance_even_if_it_holds_the_prompt():
+    inst = pool()
+    prompt = tokens(0, 160)
+    view = view_of(inst, available=[True, False, True, True])
+    hold(view, 1, prompt)
+    hold(view, 2, prompt[:96])
+    d = CacheAware(CacheAwareOptions()).assign([request(prompt)], None, view)[0]
+    assert d.ranked[0] == 2 and 1 not in d.ranked
+
+
+# ---- llmd ------------------------------------------------------------------------------------------------------
+
+
+def test_llmd_scores_match_a_hand_computed_case():
+    inst = pool(3)
+    prompt = tokens(0, 100)  # 6 full blocks; 6 can be reused (99 // 16)
+    view = view_of(inst, waiting=[4, 0, 2], kv_usage=[0.2, 0.9, 0.5])
+    hold(view, 0, prompt[:64])  # 4 blocks = 64 tokens
+    hold(view, 2, prompt)  # 6 blocks = 96 tokens
+    policy = Llmd(LlmdOptions())
+    d = policy.assign([request(prompt, n=3)], None, view)[0]
+    s = d.detail
+    np.testing.assert_allclose(s.prefix, [0.64, 0.0, 0.96])
+    np.testing.assert_allclose(s.queue, [0.0, 1.0, 0.5])  # (max - q) / (max - min), max 4, min 0
+    np.testing.assert_allclose(s.kv, [0.8, 0.1, 0.5])
+    # 3 x prefix + 2 x queue + 2 x kv
+    np.testing.assert_allclose(s.total, [3 * 0.64 + 0 + 1.6, 0 + 2.0 + 0.2, 3 * 0.96 + 1.0 + 1.0])
+    assert d.ranked == (2, 0, 1) and d.cached_tokens == 96
+
+
+def test_llmd_queue_score_is_one_when_every_queue_is_equal_and_reads_waiting_only():
+    np.testing.assert_allclose(queue_score(np.array([3.0, 3.0, 3.0])), [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(queue_score(np.array([1.0, 5.0, 3.0])), [1.0, 0.0, 0.5])
+    inst = pool(2)
+    view = view_of(inst, in_flight=[50, 0], waiting=[0, 1])  # busy but not queueing beats idle with a queue of 1
+    assert Llmd(LlmdOptions()).assign([request(tokens(0, 40), n=2)], None, view)[0].ranked[0] == 0
+
+
+def test_llmd_weights_are_options():
+    inst = pool(2)
+    prompt = tokens(0, 160)
+    view = view_of(inst, waiting=[3, 0])
+    hold(view, 0, prompt)  # 90% of the prompt on the instance with the longer queue
+    assert Llmd(LlmdOptions()).assign([request(prompt, n=2)], None, view)[0].ranked[0] == 0  # 2.7 + 0 + 2 > 0 + 2 + 2
+    view = view_of(inst, waiting=[3, 0])
+    hold(view, 0, prompt)
+    only_queue = LlmdOptions(prefix_weight=0.0, kv_weight=0.0)
+    assert Llmd(only_queue).assign([request(prompt, n=2)], None, view)[0].ranked[0] == 1
+
+
+def test_llmd_breaks_exact_ties_at_random_and_repeats_for_a_seed():
+    inst = pool(4)
+
+    def picks(seed: int) -> list[int]:
+        policy = Llmd(LlmdOptions(seed=seed))
+        return [policy.assign([request(tokens(0, 8))], None, view_of(inst))[0].ranked[0] for _ in range(40)]
+
+    assert set(picks(0)) == {0, 1, 2, 3}
+    assert picks(0) == picks(0) and picks(0) != picks(1)
+
+
+# ---- session_affinity ------------------------------------------------------------------------------------------
+
+
+def affinity(candidates, sessions, view, **options) -> list[int]:
+    policy = SessionAffinity(SessionAffinityOptions(**options))
+    return first(policy.assign([request(candidates=candidates, session=s) for s in sessions], None, view))
+
+
+def test_a_session_goes_to_the_same_instance_across_calls_and_policies():
+    inst = pool(5)
+    sessions = [f"conversation-{k}" for k in range(50)]
+    once = affinity(range(5), sessions, view_of(inst))
+    # another policy object (another process), another load: the same instances
+    again = affinity(range(5), sessions, view_of(inst, in_flight=[9, 0, 3, 7, 1]))
+    assert once == again
+    # and the weight is a pure function of the key and the name (blake2b), so it is the same in every process
+    assert weight(b"session:conversation-0", "m0") == weight(b"session:conversation-0", "m0")
+    assert weight(b"session:conversation-0", "m0") != weight(b"session:conversation-0", "m1")
+
+
+def test_an_unavailable_instance_moves_only_its_own_sessions():
+    inst = pool(5)
+    sessions = [f"user-{k}" for k in range(400)]
+    before = affinity(range(5), sessions, view_of(inst))
+    after = affinity(range(5), sessions, view_of(inst, available=[True, True, False, True, True]))
+    moved = [k for k in range(len(sessions)) if before[k] != after[k]]
+    assert moved and all(before[k] == 2 for k in moved)  # only the down instance's sessions moved...
+    assert all(after[k] != 2 for k in range(len(sessions)))  # ...to the others
+    assert len(moved) == before.count(2)
+    # an instance taken out of the candidates entirely moves no one else either
+    fewer = affinity([0, 1, 3, 4], sessions, view_of(inst))
+    assert fewer == after
+
+
+def test_different_sessions_spread_evenly_over_instances():
+    inst = pool(4)
+    counts = Counter(affinity(range(4), [f"s{k}" for k in range(4000)], view_of(inst)))
+    assert set(counts) == {0, 1, 2, 3}
+    assert all(abs(c - 1000) < 150 for c in counts.values()), counts
+
+
+def test_without_a_session_the_prompt_opening_keys_it_and_without_either_the_least_loaded():
+    inst = pool(4)
+    policy = SessionAffinity(SessionAffinityOptions(prefix_blocks=4))
+    system = tokens(0, 64)  # the first 4 blocks: a conversation's opening
+    turns = [request(system + tokens(1000 * k, 16 * k)) for k in range(1, 6)]
+    picks = first(policy.assign(turns, None, view_of(inst)))
+    assert len(set(picks)) == 1  # every turn sharing the opening sticks, whatever follows
+    openings = [request(tokens(10_000 * k, 80)) for k in range(1, 200)]
+    assert len(set(first(policy.assign(openings, None, view_of(inst))))) == 4  # different openings spread
+    # no session, no hashed prompt: the fewest requests in flight, dead-reckoned through the batch
+    view = view_of(inst, in_flight=[3, 1, 0, 2], prefixes=False)
+    picks = first(policy.assign([request(input_tokens=50) for _ in range(3)], None, view))
+    assert picks[0] == 2 and sorted(picks[1:]) == [1, 2]  # then 1 and 2 tie (one each), at random
+
+
+def test_the_session_wins_over_the_prompt():
+    inst = pool(4)
+    policy = SessionAffinity(SessionAffinityOptions())
+    prompts = [tokens(10_000 * k, 80) for k in range(1, 40)]
+    picks = first(policy.assign([request(p, session="one") for p in prompts], None, view_of(inst)))
+    assert len(set(picks)) == 1
+
+
+# ---- the registry ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_builds_from_the_default_config_and_routes(name):
+    cfg = load_config(default_config_path())
+    entry = registry.entry(name)
+    assert entry.reads_prefixes and not entry.needs_estimates and entry.summary.startswith("baseline: ")
+    policy = registry.build(name, cfg)
+    assert policy.name == name
+    n = len(cfg.instances)
+    view = view_of(cfg.instances)
+    decisions = policy.assign([request(tokens(0, 100), candidates=range(n), session="s"),
+                               request(tokens(0, 100), candidates=(0, 1))], None, view)
+    assert sorted(decisions[0].ranked) == list(range(n))  # every usable candidate, ranked
+    assert sorted(decisions[1].ranked) == [0, 1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_options_come_from_their_own_table(name):
+    table = registry.options_class(name)
+    cfg = Config(instances=pool(), policies=types.MappingProxyType({name: table(seed=7)}))
+    assert registry.build(name, cfg).options.seed == 7
+
+
+# ---- RouteBalance's cache term (Eq. 1's latency with prefill) ------------------------------------------------
+
+
+def _routebalance(view: PoolView, reqs: list[RouteRequest], length: float = 100.0):
+    """RouteBalance's assignment with the prior TPOT (0.01 s), the busy branch's wait, 1 ms a prefill token."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    n, i = len(reqs), len(view.instances)
+    est = Estimates(np.full((n, i), 0.5), np.full((n, i), length))
+    view = dataclasses.replace(view, prefill_s=np.full(i, 1e-3), pending_decode=view.running * length)
+    return assign_batch(reqs, est, view, RouteBalanceOptions(), None, np.random.default_rng(0))
+
+
+def _small_pool():
+    import dataclasses
+
+    return tuple(dataclasses.replace(inst, max_num_seqs=4) for inst in pool(3))
+
+
+def test_routebalance_prefers_the_warm_instance_and_prices_its_load():
+    history = tokens(0, 1600)
+    prompt = request(history + tokens(9000, 40), n=3)
+    view = view_of(_small_pool(), in_flight=[2, 2, 2])
+    hold(view, 1, history)
+    (d,) = _routebalance(view, [prompt])
+    assert d.ranked[0] == 1 and d.cached_tokens == 1600
+    # Full, with long answers queued: waiting there costs more than prefilling the history elsewhere.
+    busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
+    hold(busy, 1, history)
+    (d,) = _routebalance(busy, [prompt], length=1000.0)
+    assert d.ranked[0] != 1 and d.cached_tokens == 0
+    # A burst of the conversation's branches in one batch: the warm one takes them while it has room, then the
+    # rest spread (dead reckoning): preferred, not flooded.
+    burst = view_of(_small_pool(), in_flight=[0, 0, 0])
+    hold(burst, 1, history)
+    placed = first(_routebalance(burst, [request(history + tokens(20_000 + 100 * k, 40), n=3) for k in range(12)]))
+    assert placed.count(1) >= 4 and set(placed) != {1}
+
+
+def test_routebalance_without_prefixes_scores_as_the_paper():
+    history = tokens(0, 1600)
+    view = view_of(_small_pool(), in_flight=[0, 1, 0], prefixes=False)
+    (d,) = _routebalance(view, [request(history, n=3)])
+    assert d.cached_tokens is None and d.ranked[0] != 1
