@@ -57,6 +57,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -437,6 +438,12 @@ def tables(runs: list[Run], meds: list[dict], workloads: list[str], args) -> str
     return "\n".join(out)
 
 
+def write(out: Path, settings: dict, meds: list[dict], runs: list[Run], partial: bool) -> None:
+    """The results file (rewritten after every run with partial = true, so a stopped run leaves what it had)."""
+    out.write_text(json.dumps({"config": settings, "partial": partial, "medians": meds,
+                               "runs": [asdict(r) for r in runs]}, indent=1, default=str))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -474,6 +481,14 @@ def main() -> None:
               f"prompt {np.mean([r.prompt_tokens for r in data[w]]):.0f} tokens", flush=True)
     runs: list[Run] = []
     procs: list[subprocess.Popen] = []
+    settings = {"rows": args.rows, "rate": args.rate, "instances": args.instances, "model": args.model,
+                "gpu": args.gpu, "rounds": args.rounds, "workloads": workloads, "targets": targets,
+                "max_seconds": args.max_seconds, "max_tokens": MAX_TOKENS, "seed": args.seed,
+                "request_timeout_s": REQUEST_TIMEOUT_S, "instance_fields": fields,
+                "vllm_router": "vllm-router==0.1.17", "kv_aware": KV_AWARE_NOTE}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    # A SIGTERM ends the run through the finally below (the servers stopped), not with orphans left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for rnd in range(args.rounds):
             for w in workloads:
@@ -482,18 +497,12 @@ def main() -> None:
                     runs.append(r)
                     print(f"round {rnd + 1} {w:<10} " + line(asdict(r), "", split_of(r))
                           + f"  load {r.load[0]:.2f}" + (f" {r.error_kinds}" if r.error_kinds else ""), flush=True)
+                    write(args.out, settings, medians(runs, workloads, targets), runs, partial=True)
     finally:
         stop(procs)
     meds = medians(runs, workloads, targets)
     print(tables(runs, meds, workloads, args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "config": {"rows": args.rows, "rate": args.rate, "instances": args.instances, "model": args.model,
-                   "gpu": args.gpu, "rounds": args.rounds, "workloads": workloads, "targets": targets,
-                   "max_seconds": args.max_seconds, "max_tokens": MAX_TOKENS, "seed": args.seed,
-                   "request_timeout_s": REQUEST_TIMEOUT_S, "instance_fields": fields,
-                   "vllm_router": "vllm-router==0.1.17", "kv_aware": KV_AWARE_NOTE},
-        "medians": meds, "runs": [asdict(r) for r in runs]}, indent=1, default=str))
+    write(args.out, settings, meds, runs, partial=False)
     print(f"\n{KV_AWARE_NOTE}\nwrote {args.out}; logs in {logs}")
 
 
