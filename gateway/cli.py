@@ -16,7 +16,7 @@ from pathlib import Path
 from gateway.config.store import ConfigStore, resolve_config_path
 from gateway.config.watch import watch_file
 from gateway.config_schema import ConfigError
-from gateway.serving.workers import SINGLE, Worker, supervise, workers_problem
+from gateway.serving.workers import SINGLE, Worker, sharing, supervise, workers_problem
 
 log = logging.getLogger("routebalance")
 
@@ -29,7 +29,8 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
     served on the address (no API keys beyond loopback), and when the
     estimators its policy needs are not built. `build` (what `up` does; `serve`
     never builds): build what is missing first, with the port already
-    answering (/health says how far the build is, /health/ready is 503).
+    answering (/health says how far the build is, /health/ready is 503); the
+    gateway takes over that listening socket, so the port never closes between.
     `worker`: this process's place among `serve --workers` (gateway/serving/workers.py).
     """
     from gateway.tenancy.keys import exposure_problem
@@ -47,10 +48,11 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
         estimators = await loop.run_in_executor(None, load_estimators, store.current, store.path)
         gateway = Gateway(store, estimators, host, worker)
         await loop.run_in_executor(gateway.scheduler.executor, gateway.warm_up)
-    finally:
+    except BaseException:
         if placeholder is not None:
             await placeholder.cleanup()
-    runners = await listen(gateway, host, port, reuse_port=worker.shared)
+        raise
+    runners = await listen(gateway, host, port, reuse_port=worker.shared, listener=placeholder)
     log.info("gateway listening on http://%s:%d/v1", host, port)
     if cfg.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", host, cfg.metrics_port)
@@ -59,7 +61,7 @@ async def start_gateway(store: ConfigStore, host: str | None = None, port: int |
 
 async def _build_while_listening(store: ConfigStore, host: str, port: int):
     """Build what the config's estimators lack (lab code: `up` only), answering on the port meanwhile;
-    returns the placeholder's runner, still listening, for the caller to close when the gateway is ready."""
+    returns the placeholder's listener, still listening, for the caller to hand over to the gateway."""
     from gateway.lab.training.build import BuildProgress, ensure_built
     from gateway.policies import registry
     from gateway.serving.building import listen_while_building
@@ -68,15 +70,15 @@ async def _build_while_listening(store: ConfigStore, host: str, port: int):
     if not registry.entry(cfg.scheduler.policy).needs_estimates:
         return None
     progress = BuildProgress()
-    runner = await listen_while_building(host, port, progress.as_dict)
+    listener = await listen_while_building(host, port, progress.as_dict, cfg.server.max_connections)
     log.info("checking the estimators in %s (a first build takes minutes; http://%s:%d/health shows how far "
              "it is)", cfg.estimators.models_dir, host, port)
     try:
         await asyncio.get_running_loop().run_in_executor(None, lambda: ensure_built(cfg, progress=progress))
     except BaseException:
-        await runner.cleanup()
+        await listener.cleanup()
         raise
-    return runner
+    return listener
 
 
 def load_estimators(cfg, config_path: Path | None = None):
@@ -136,8 +138,9 @@ async def start_emulator(store: ConfigStore):
         task.add_done_callback(tasks.discard)
 
     store.subscribe(on_reload)
-    log.info("emulating %d vLLM instances (%s)", len(pool.instances),
-             ", ".join(f"{n}@{h}:{p}" for n in pool.instances for h, p in [pool.address(n)]))
+    names = [*pool.instances, *pool.embedders]
+    log.info("emulating %d vLLM instances (%s)", len(names),
+             ", ".join(f"{n}@{h}:{p}" for n in names for h, p in [pool.address(n)]))
     return pool
 
 
@@ -183,9 +186,11 @@ async def run(args) -> int:
             loop.add_signal_handler(signal.SIGHUP, store.reload)
             watcher = asyncio.create_task(watch_file(store))
         if args.command == "up":
-            server = store.current.server
+            server, embedders = store.current.server, len(store.current.embedders)
+            also = f" and {embedders} embedding instance{'s' * (embedders > 1)}" if embedders else ""
             print(f"RouteBalance gateway on http://{args.host or server.host}:{args.port or server.port}/v1 "
-                  f"in front of {len(store.current.instances)} emulated instances. Ctrl-C stops both.", flush=True)
+                  f"in front of {len(store.current.instances)} emulated instances{also}. Ctrl-C stops both.",
+                  flush=True)
         await stop.wait()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -475,8 +480,8 @@ def build_parser(with_lab: bool) -> tuple[argparse.ArgumentParser, dict]:
             p.add_argument("--port", type=int, help="listen port (default: [server].port)")
         if name == "serve":
             p.add_argument("--workers", type=int, default=1,
-                           help="gateway processes sharing the port, one per core (more than 1 needs [state] "
-                                'backend = "redis"; default: 1)')
+                           help="gateway processes sharing the port, one per core (they share key spend "
+                                'through the [state] backend, "sqlite" or "redis"; default: 1)')
             p.add_argument("--worker", type=Worker.parse, default=SINGLE, help=argparse.SUPPRESS)
         else:
             p.add_argument("--emulator-port", type=int,
@@ -505,6 +510,7 @@ def serve_workers(args) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    log.info("%s", sharing(config, args.workers))
     worker_argv = ["--log-level", args.log_level, "serve", "--config", str(args.config)]
     for option in ("host", "port"):
         if getattr(args, option) is not None:

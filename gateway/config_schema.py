@@ -9,7 +9,10 @@ surfacing later as an AttributeError deep in the server.
 Value rules live next to the field (``option(ge=0)``); rules that involve more
 than one field live in the section's ``_validate``. Both also run when a
 section is built directly in code (tests, the simulator, per-request
-overrides), so an invalid object cannot exist.
+overrides), so an invalid object cannot exist. A field marked
+``metadata={"derived": True}`` is no key of the file: ``_validate`` fills it
+from the others, and it is an init field only so that ``dataclasses.replace``
+keeps it.
 
 This module is a leaf: the config itself (gateway/config/sections.py) and every
 policy's own table (``[policies.<name>]``, declared in the policy's module)
@@ -172,7 +175,7 @@ def build_section(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"expected table, got {_type_name(data)}", path)
     hints = _hints(cls)
-    known = {f.name: f for f in fields(cls) if f.init}
+    known = {f.name: f for f in fields(cls) if f.init and not f.metadata.get("derived")}
     for key in data:
         if key not in known:
             raise ConfigError("unknown key", _join(path, key))

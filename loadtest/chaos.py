@@ -11,7 +11,8 @@ goes down (its port closes: a crash), stalls (+--stall-ms per request) or
 answers 500 to everything, for --fault-hold seconds, after which it is restored
 (a restart). At most --max-faulted instances are faulty at once, and never the
 last healthy instance of a model. The emulator follows the file's reloads
-(`config_watch_interval_s` is set to 0.2 s).
+(`config_watch_interval_s` is set to 0.2 s). Load starts once the gateway's
+/health/ready answers 200 (its start-up's 503s are not counted).
 
 Meanwhile it sends Poisson arrivals of good requests at --rate (chat and
 completions, half streamed with usage, `auto` and each pool model, held-out
@@ -68,7 +69,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-from ports import free_ports  # loadtest/, this script's directory
+from ports import free_ports, wait_ready  # loadtest/, this script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = "passthrough+round_robin"  # needs no estimators; --policy routebalance builds them (minutes)
@@ -168,24 +169,19 @@ class Stack:
         return self.proc.pid
 
     def start(self, ready_timeout_s: float) -> float:
-        """Start the child and wait for the gateway and every instance to answer /health; returns the seconds taken."""
+        """Start the child and wait until the gateway is ready (/health/ready 200: not its start-up's 503s)
+        and every instance answers /health; returns the seconds taken."""
         t0 = time.monotonic()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=_die_with_parent)
-        urls = [self.root, *self.instance_urls.values()]
-        with httpx.Client(timeout=1.0, trust_env=False) as client:
-            while time.monotonic() - t0 < ready_timeout_s:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"`routebalance up` exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if all(client.get(u + "/health").status_code == 200 for u in urls):
-                        return time.monotonic() - t0
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
-        raise RuntimeError(f"the stack did not come up within {ready_timeout_s:.0f} s:\n{self.log_tail()}")
+        urls = [self.root + "/health/ready", *(u + "/health" for u in self.instance_urls.values())]
+        try:
+            wait_ready(urls, ready_timeout_s, self.proc)
+        except RuntimeError as e:
+            raise RuntimeError(f"`routebalance up` is not ready: {e}\n{self.log_tail()}") from None
+        return time.monotonic() - t0
 
     def stop(self) -> int | None:
         """SIGINT (a clean stop, as Ctrl-C), then SIGKILL if it does not go within 20 s. Idempotent."""

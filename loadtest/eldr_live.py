@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from live_check import wait_healthy  # loadtest/, this script's directory
+from ports import wait_ready  # loadtest/, this script's directory
 
 from gateway.config.store import load_config
 from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
@@ -78,7 +78,7 @@ def main() -> int:
                                   "--config", str(path)], env=os.environ.copy())
         results = {}
         try:
-            wait_healthy([base, cfg.instances[-1].url], 600)
+            wait_ready([base + "/health/ready", cfg.instances[-1].url + "/health"], 600, stack)
             for policy in POLICIES:
                 started = time.monotonic()
                 outcomes = asyncio.run(asyncio.wait_for(

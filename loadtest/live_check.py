@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+from ports import wait_ready  # loadtest/, this script's directory
 
 from gateway.config.store import default_config_path, load_config
 from gateway.estimators.bundle import Estimators
@@ -36,18 +37,6 @@ from gateway.lab.training.build import ensure_built
 # How far live may sit from simulated: relative for times, absolute for shares and quality.
 TOLERANCE = {"quality": ("abs", 0.01), "e2e_mean": ("rel", 0.15), "e2e_p50": ("rel", 0.15),
              "ttft_mean": ("abs", 0.25), "cost_mean": ("rel", 0.05), "mix": ("abs", 0.05)}
-
-def wait_healthy(urls: list[str], deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            if all(httpx.get(u + "/health", timeout=1).status_code == 200 for u in urls):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"the stack did not come up within {deadline_s:.0f} s")
-
 
 def compare(sim: dict, live: dict) -> tuple[list[str], bool]:
     lines, ok = [f"{'figure':<26} {'simulated':>11} {'live':>11}  tolerance"], True
@@ -93,7 +82,8 @@ def main() -> int:
     stack = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "up",
                               "--config", str(args.config)], env=os.environ.copy())
     try:
-        wait_healthy([base, cfg.instances[-1].url], 120)
+        # /health/ready: `up` answers 503 while it starts, which the replay must not count
+        wait_ready([base + "/health/ready", cfg.instances[-1].url + "/health"], 120, stack)
         names = {inst.name: k for k, inst in enumerate(cfg.instances)}
         times = arrival_times(spec.arrivals, args.requests, spec.seed)
         started = time.monotonic()

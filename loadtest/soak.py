@@ -4,7 +4,8 @@
 
 Starts `routebalance up` as a child on free loopback ports with a temporary copy
 of the config (as loadtest/chaos.py does; default policy passthrough+round_robin,
-which needs no estimators), and sends open-loop Poisson arrivals at --rate of
+which needs no estimators), and, once its /health/ready answers 200 (the
+start-up's 503s are not counted), sends open-loop Poisson arrivals at --rate of
 the held-out synthetic prompts (the ones the simulator and the load tests
 replay; the emulator answers them at their labelled lengths): chat requests to
 `auto`, half of them streamed with usage. Every --sample-every seconds it reads

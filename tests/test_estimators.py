@@ -59,6 +59,28 @@ def test_identical_prompts_get_identical_estimates_and_batch_matches_single(buil
     assert np.all((batch.length >= 1) & (batch.length <= MAX_OUTPUT_TOKENS))
 
 
+def test_a_prompt_marked_blind_is_not_embedded_and_gets_its_models_priors(built):
+    cfg, _, est = built
+    prompts = [r.prompt for r in split(generate(RECORDS))[1][20:24]]
+    looked = est.for_instances(prompts, cfg.instances)
+    hits, misses = est.embedder.cache_counts()
+    mixed = est.for_instances(prompts, cfg.instances, [False, True, False, True])
+    assert sum(est.embedder.cache_counts()) - hits - misses == 2  # only the two looked-at prompts went in
+    for k in (0, 2):
+        assert np.allclose(mixed.quality[k], looked.quality[k]) and np.allclose(mixed.length[k], looked.length[k])
+    quality, length = est.priors(cfg.instances)
+    models = [i.model for i in cfg.instances]
+    for k in (1, 3):
+        assert np.array_equal(mixed.quality[k], quality) and np.array_equal(mixed.length[k], length)
+        assert not mixed.embeddings[k].any()
+    # one value per model (its label means), and the models differ
+    j = {m: models.index(m) for m in models}
+    big, small = (next(m for m in models if size in m) for size in ("72B", "3B"))
+    assert length[j[big]] != length[j[small]]
+    for col, m in enumerate(models):
+        assert quality[col] == quality[j[m]] and length[col] == length[j[m]]
+
+
 def test_a_prompt_on_top_of_a_labelled_neighbour_gets_its_labels_shrunk_toward_the_prior(built):
     _, _, est = built
     train, _ = split(generate(RECORDS))

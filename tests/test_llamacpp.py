@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import subprocess
 import sys
 import tomllib
@@ -47,9 +48,10 @@ def smollm2_gguf() -> Path:
 
 
 class LlamaServer:
-    """`python -m llama_cpp.server` on a free loopback port, serving SmolLM2 as POOL_MODEL."""
+    """`python -m llama_cpp.server` on a free loopback port, serving SmolLM2 as POOL_MODEL; `args`: more of
+    its options."""
 
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, args: tuple[str, ...] = ()):
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = log_path
         with log_path.open("wb") as log:  # the child keeps its own handle
@@ -58,7 +60,7 @@ class LlamaServer:
                  "--model_alias", POOL_MODEL, "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
                  "--n_ctx", "2048", "--n_threads", "1",
                  # By default a new request cuts off the one being served (one at a time): queue them instead.
-                 "--interrupt_requests", "False"],
+                 "--interrupt_requests", "False", *args],
                 stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
@@ -91,12 +93,13 @@ def gateway_config(tmp: Path, models_dir: str, servers: list[LlamaServer]) -> Pa
 
 
 @contextlib.contextmanager
-def llama_pool(tmp: Path, models_dir: str, size: int):
-    """`size` llama.cpp servers behind an in-process gateway, and an OpenAI client of the gateway."""
+def llama_pool(tmp: Path, models_dir: str, size: int, args: tuple[str, ...] = ()):
+    """`size` llama.cpp servers (with options `args`) behind an in-process gateway, and an OpenAI client of
+    the gateway."""
     servers: list[LlamaServer] = []
     try:
         for i in range(size):
-            servers.append(LlamaServer(tmp / f"llama-{i}.log"))
+            servers.append(LlamaServer(tmp / f"llama-{i}.log", args))
         for server in servers:
             server.wait_ready()
         stack = Stack(gateway_config(tmp, models_dir, servers), emulate=False)
@@ -170,3 +173,27 @@ def test_requests_fail_over_when_a_server_is_killed(built, tmp_path):
             assert raw.parse().choices[0].message.content is not None
             served.append(raw.headers["X-Route-Instance"])
     assert served == ["llama-1"] * 10
+
+
+# llama-cpp-python answers tools with this chat format: a named tool_choice is generated under a grammar made
+# from the function's parameters, and comes back as an OpenAI tool call.
+TOOL_ARGS = ("--chat_format", "chatml-function-calling")
+TOOL_MAX_TOKENS = 48  # room for the arguments of WEATHER_TOOL, whose enum keeps them short under the grammar
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}}, "required": ["city"]}}}]
+
+
+def test_a_tool_call_is_routed_and_costed(built, tmp_path):
+    with llama_pool(tmp_path, built[0].estimators.models_dir, size=1, args=TOOL_ARGS) as p:
+        raw = p.client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=WEATHER_TOOL, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=TOOL_MAX_TOKENS)
+        answer = raw.parse()
+    assert raw.headers["X-Route-Instance"] == "llama-0"
+    [choice] = answer.choices
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert choice.finish_reason in ("tool_calls", "stop")  # llama-cpp-python's, and OpenAI's for a named tool
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "London")  # the grammar's JSON
+    assert answer.usage.completion_tokens > 0 and answer.usage.model_extra["cost_usd"] > 0

@@ -285,7 +285,7 @@ def test_every_policy_sees_answer_lengths_bounded_by_the_request_max_tokens(buil
         batch, _ = scheduling.take(cfg, None, 1.0)
         n = len(cfg.instances)
 
-        def estimate(asked):
+        def estimate(asked, blind):
             return Estimates(np.full((len(asked), n), 0.5), np.full((len(asked), n), 300.0))
 
         scheduling.decide(cfg, batch, scheduling.view(cfg, 1.0), estimate=estimate)

@@ -371,11 +371,11 @@ def test_a_failing_instance_under_progressive_mode_is_retried_around_and_cooled_
     tried: list[str] = []
     bad = None  # the 72B that holds the sketch prompt's prefix: the cache term ranks it first from then on
 
-    async def failing(session, inst, path, payload, timeout, stream):
+    async def failing(session, inst, path, payload, timeout, stream, **options):
         tried.append(inst.name)
         if inst.name == bad:
             raise UpstreamFailed(502, f"{bad}: connection reset (the test's)")
-        return await original(session, inst, path, payload, timeout, stream)
+        return await original(session, inst, path, payload, timeout, stream, **options)
 
     monkeypatch.setattr(dispatch, "open_upstream", failing)
     ask(client(stack), extra_body=PROGRESSIVE)
@@ -406,9 +406,9 @@ def test_every_call_carries_the_request_sampling_and_each_candidate_its_own_seed
     sent: list[dict] = []
     original = mode.open_upstream
 
-    async def recording(session, inst, path, payload, timeout, stream):
+    async def recording(session, inst, path, payload, timeout, stream, **options):
         sent.append(orjson.loads(payload))
-        return await original(session, inst, path, payload, timeout, stream)
+        return await original(session, inst, path, payload, timeout, stream, **options)
 
     monkeypatch.setattr(mode, "open_upstream", recording)
     raw = ask(client(stack), temperature=0.3, top_p=0.9, seed=7, extra_body=PROGRESSIVE)

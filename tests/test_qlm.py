@@ -206,8 +206,9 @@ def test_a_held_request_takes_one_victim_until_the_pool_view_catches_up():
         for t in tickets:
             scheduling.submit(t, now)
         batch, _ = scheduling.take(cfg, None, now)
-        decided = scheduling.decide(cfg, batch, scheduling.view(cfg, now),
-                              lambda ts: Estimates(np.full((len(ts), 1), 0.5), np.full((len(ts), 1), answer_tokens)))
+        decided = scheduling.decide(
+            cfg, batch, scheduling.view(cfg, now),
+            lambda ts, blind: Estimates(np.full((len(ts), 1), 0.5), np.full((len(ts), 1), answer_tokens)))
         return scheduling.settle(batch, decided, now)
 
     jobs = enter(600.0, 0.0, 300.0)  # two batch jobs fill the two slots

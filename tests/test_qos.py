@@ -192,7 +192,7 @@ def test_a_request_abandoned_while_its_batch_was_decided_leaves_no_trace(two_7b)
         scheduling.submit(t, float(k))
     batch, _ = scheduling.take(cfg, None, 3.0)
     decided = scheduling.decide(cfg, batch, scheduling.view(cfg, 3.0),
-                                lambda ts: _estimates([0.6, 0.5], [200, 200], len(ts)))
+                                lambda ts, blind: _estimates([0.6, 0.5], [200, 200], len(ts)))
     policy = decided[0][1]
     assert isinstance(policy, Qos) and len(policy.tracker) == 3
     for ticket, (_, by) in zip(batch, decided, strict=True):

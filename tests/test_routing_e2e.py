@@ -39,13 +39,17 @@ def test_answers_carry_the_decision(client, stack):
     assert "routebalance_estimate_seconds_count" in metrics
 
 
+def _embed_cache(stack) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(stack.root + "/metrics").text.splitlines():
+        if line.startswith("routebalance_embed_cache_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_a_prompt_seen_again_takes_its_embedding_from_the_cache(client, stack):
     def cache() -> dict[str, float]:
-        out = {}
-        for line in httpx.get(stack.root + "/metrics").text.splitlines():
-            if line.startswith("routebalance_embed_cache_total{"):
-                out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-        return out
+        return _embed_cache(stack)
 
     prompt = [{"role": "user", "content": "Name three rivers of Portugal and where each meets the sea."}]
     raw = client.chat.completions.with_raw_response.create(model="auto", messages=prompt, max_tokens=4)
@@ -56,6 +60,19 @@ def test_a_prompt_seen_again_takes_its_embedding_from_the_cache(client, stack):
     assert after == {"hit": before["hit"] + 1, "miss": before["miss"]}
     if again.headers["X-Route-Model"] == raw.headers["X-Route-Model"]:  # the same estimate: the same prediction
         assert again.headers["X-Route-Predicted-Quality"] == raw.headers["X-Route-Predicted-Quality"]
+
+
+def test_a_request_that_names_one_model_is_not_embedded(client, stack):
+    """Among one model's instances the prompt cannot change the choice much: its model's priors stand in, and the
+    prompt costs no embedding (the time to its first token). A request that may go to several models is embedded."""
+    client.chat.completions.create(model="auto", messages=PROMPT, max_tokens=2)  # the metric's labels exist
+    prompt = [{"role": "user", "content": "List the planets in order from the sun, with one fact about each."}]
+    before = _embed_cache(stack)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL_3B, messages=prompt, max_tokens=4)
+    assert raw.headers["X-Route-Model"] == MODEL_3B and float(raw.headers["X-Route-Predicted-Cost-USD"]) > 0
+    assert _embed_cache(stack) == before
+    client.chat.completions.create(model="auto", messages=prompt, max_tokens=4)
+    assert _embed_cache(stack)["miss"] == before["miss"] + 1
 
 
 def test_presets_move_requests_between_tiers(client):

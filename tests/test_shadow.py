@@ -71,3 +71,21 @@ def test_the_days_spend_cap_stops_shadow_answers(tmp_path):
         assert stack.stubs[1].requests == [] and judge.requests == []
     finally:
         stack.stop()
+
+
+def test_answers_the_request_shapes_are_never_shadowed(tmp_path):
+    """A JSON response_format or tools (the stubs answer them in text, as an instance may): the answer's shape
+    is the request's, so it is neither judged nor given a shadow's length; a plain request still is."""
+    stack, judge = start(tmp_path)
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=20)
+        question = [{"role": "user", "content": "Name a prime."}]
+        client.chat.completions.create(model=SMALL, messages=question, response_format={"type": "json_object"})
+        client.chat.completions.create(model=SMALL, messages=question, tools=[
+            {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}])
+        time.sleep(0.5)  # a shadow call would have reached the stub within milliseconds
+        assert stack.stubs[1].requests == [] and judge.requests == []
+        client.chat.completions.create(model=SMALL, messages=question)
+        wait_for(lambda: len(stack.stubs[1].requests) == 1, 10, "the plain request shadowed")
+    finally:
+        stack.stop()

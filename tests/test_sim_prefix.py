@@ -64,8 +64,9 @@ def test_the_cache_term_finds_the_prefixes_and_events_predict_them_exactly(small
     assert off_row["prefix_hit_rate"] > 0.02
     assert approx_row["prefix_hit_rate"] > off_row["prefix_hit_rate"] + 0.03
     assert approx_row["ttft_mean"] < off_row["ttft_mean"]
-    # Predicted against reported cached tokens: the events' index is exact, the approximate one close.
-    for sim, result, within in ((events_sim, events, 0.99), (approx_sim, approx, 0.9)):
+    # Predicted against reported cached tokens: the events' index is exact, the approximate one close. (Exact
+    # but for races: a request sent right behind one with its prefix counts on blocks still being prefilled.)
+    for sim, result, within in ((events_sim, events, 0.98), (approx_sim, approx, 0.9)):
         agree = [abs((t.decision.cached_tokens or 0) - o.cached_tokens) <= 16
                  for t, o in zip(sim.tickets, result.outcomes, strict=True)]
         assert sum(agree) / len(agree) >= within

@@ -487,7 +487,7 @@ def _section(cls: type, title: str, path: str, doc_path: str, out: list[str], in
     comments, source = toml_comments(), _source_comments(cls)
     rows, children = [], []
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or f.metadata.get("derived"):  # derived: filled by the config, no key
             continue
         tp = hints[f.name]
         child, how = _nested(tp)
@@ -543,7 +543,7 @@ def config_reference() -> str:
     ]
     hints = typing.get_type_hints(root)
     for f in dataclasses.fields(root):
-        if not f.init:
+        if not f.init or f.metadata.get("derived"):  # derived: filled by the config, no key
             continue
         child, how = _nested(hints[f.name])
         if child is None:

@@ -56,6 +56,14 @@ class CompletionRequest:
     n: int = 1  # answers the instance generates, each paid for: n, or best_of if larger
     tools: tuple = ()  # function signatures (tools, or legacy functions): part of the prompt that is paid for
     has_media: bool = False  # images, audio or files in the messages: the prompt count misses them
+    # The request shapes its answer (tools it may call, unless tool_choice is "none"; a JSON response_format):
+    # the answer's length is the schema's or the tool's, not the prompt's, and a tool result's answer hangs
+    # on that result, so such answers teach answer-length learning and the judge nothing true of the prompt.
+    shaped: bool = False
+
+    def template_messages(self) -> list:
+        """The chat messages the instance's template renders (a chat request's own)."""
+        return self.body["messages"]
 
     @property
     def runs_to_max_tokens(self) -> bool:
@@ -282,8 +290,12 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
     _check_number(body, "top_p", 0.0, 1.0)
     _check_number(body, "frequency_penalty", -2.0, 2.0)
     _check_number(body, "presence_penalty", -2.0, 2.0)
-    n = max(_count_of(body, "n"), _count_of(body, "best_of"))
+    # best_of is the completions API's (vLLM generates that many and returns the n best); chat has no such field
+    # and the instance ignores it there, so it must not multiply a chat request's reservation.
+    n = _count_of(body, "n") if chat else max(_count_of(body, "n"), _count_of(body, "best_of"))
     tools = _tools(body) if chat else ()
+    json_format = _json_format(body.get("response_format"))
+    shaped = json_format or (bool(tools) and body.get("tool_choice", body.get("function_call")) != "none")
     has_media = chat and any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
                              for m in body["messages"])
 
@@ -295,7 +307,7 @@ def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, pres
         if n != 1:
             raise ApiError(400, "progressive mode answers one choice: 'n' (and 'best_of') must be 1", "n")
     return CompletionRequest(chat, body, model, stream, include_usage, prompt_text, max_tokens, routing, n, tools,
-                             has_media)
+                             has_media, shaped)
 
 
 def _count_of(body: dict, name: str) -> int:
@@ -315,5 +327,28 @@ def _tools(body: dict) -> tuple:
             continue
         if not isinstance(given, list) or not all(isinstance(t, dict) for t in given):
             raise ApiError(400, f"'{name}' must be an array of objects", name)
-        return tuple(given) if name == "tools" else tuple({"type": "function", "function": f} for f in given)
+        tools = tuple(given) if name == "tools" else tuple({"type": "function", "function": f} for f in given)
+        for i, tool in enumerate(tools):  # what every server needs to offer a function (OpenAI's own checks)
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ApiError(400, "each tool needs a function with a non-empty string 'name'", f"{name}[{i}]")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise ApiError(400, "a function's 'parameters' must be a JSON schema object", f"{name}[{i}]")
+        return tools
     return ()
+
+
+def _json_format(fmt) -> bool:
+    """Whether `response_format` asks for JSON; 400 for one no server would take."""
+    if fmt is None:
+        return False
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "'response_format' must be an object whose 'type' is 'text', 'json_object' or "
+                            "'json_schema'", "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or ("schema" in spec and not isinstance(spec["schema"], dict)):
+            raise ApiError(400, "a 'json_schema' response_format needs a 'json_schema' object whose 'schema' is "
+                                "a JSON schema object", "response_format.json_schema")
+    return kind != "text"

@@ -13,3 +13,8 @@ DONE = b"data: [DONE]" + EVENT_END
 def json_event(data: object) -> bytes:
     """One event carrying `data` as JSON, framed (ends with EVENT_END)."""
     return b"data: " + orjson.dumps(data) + EVENT_END
+
+
+def named_event(data: dict) -> bytes:
+    """One event named by its `type`, as the Responses API frames its stream (`event:` then `data:`)."""
+    return b"event: " + str(data["type"]).encode() + b"\ndata: " + orjson.dumps(data) + EVENT_END

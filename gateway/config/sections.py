@@ -188,7 +188,8 @@ class AuthConfig(Section):
 
 @section
 class StateConfig(Section):
-    """Where spend is kept: "sqlite" (one process, persisted, survives restarts), "memory" (tests), or
+    """Where spend is kept: "sqlite" (persisted, survives restarts; one process, or the workers of one host's
+    `serve --workers`, reservations included), "memory" (tests), or
     "redis" (shared by several replicas: spend and reservations, instance cooldowns and each replica's
     in-flight work). Read at start: a change takes a restart."""
 
@@ -554,6 +555,7 @@ class MoeConfig(Section):
             raise ConfigError(f"must be < 1 (the dense part keeps the rest), got {self.moe_share}", "moe_share")
 
 
+InstanceKind = Literal["generate", "embed"]
 _GPU_MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*GB?$", re.IGNORECASE)
 
 
@@ -588,8 +590,13 @@ class Instance(Section):
     # Where it publishes vLLM's KV-cache events (--kv-events-config's ZMQ endpoint, e.g. "tcp://10.0.0.5:5557");
     # with [scheduler] prefix_cache = "events" the gateway reads them. An emulated instance publishes there.
     kv_events: str | None = option(None, nonempty=True)
+    # "generate" serves chat, completions and responses; "embed" serves /v1/embeddings only (a vLLM pooling
+    # model), chosen by load and priced per input token (price_input_per_mtok; the output price is unused).
+    kind: InstanceKind = "generate"
 
     def _validate(self) -> None:
+        if self.kind == "embed" and (self.moe is not None or self.gpu_id is not None or self.kv_events is not None):
+            raise ConfigError("an embed instance has no moe, gpu_id or kv_events (it generates no tokens)", "kind")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"must be an http:// or https:// URL, got {self.url!r}", "url")
@@ -624,6 +631,9 @@ class Config(Section):
     emulator: Mapping[str, Any] = option(factory=lambda: types.MappingProxyType({}))
     progressive: ProgressiveConfig = ProgressiveConfig()
     instances: tuple[Instance, ...] = option()
+    # The instances of kind "embed", taken out of `instances` (which keeps the generating ones, all that the
+    # scheduling loop, the policies and the estimators see): /v1/embeddings routes over these alone.
+    embedders: tuple[Instance, ...] = field(default=(), metadata={"derived": True})
     # [policies.<table>]: each policy's own options, checked by the section its
     # module registered (parse_config builds them; a table left out has its defaults).
     policies: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
@@ -634,7 +644,7 @@ class Config(Section):
             raise ConfigError("at least one instance is required", "instances")
         names: dict[str, int] = {}
         urls: dict[str, int] = {}
-        for i, inst in enumerate(self.instances):
+        for i, inst in enumerate((*self.instances, *self.embedders)):
             if inst.name in names:
                 raise ConfigError(f"duplicate instance name {inst.name!r} (also "
                                   f"instances[{names[inst.name]}])", f"instances[{i}].name")
@@ -648,8 +658,9 @@ class Config(Section):
             if (first.gpu, first.gpu_count) != (inst.gpu, inst.gpu_count):
                 raise ConfigError(f"shares gpu_id {inst.gpu_id!r} with {first.name!r}, so it must name the same gpu "
                                   f"and gpu_count", f"instances[{i}].gpu_id")
+        self._split_kinds()  # after the checks that name an instance by its index in the file
         set_normalised(self, "_by_name", types.MappingProxyType({i.name: i for i in self.instances}))
-        models = set(self.models())
+        models = {*self.models(), *self.embedding_models()}
         for i, alias in enumerate(self.server.aliases):
             if alias in models:
                 raise ConfigError(f"alias {alias!r} is also a pool model name",
@@ -668,9 +679,28 @@ class Config(Section):
             if preset not in self.scheduler.presets:
                 raise ConfigError(f"unknown preset {preset!r}", f"slo.presets.{preset}")
 
+    def _split_kinds(self) -> None:
+        """Move the embed instances to `embedders`. A model is one kind's: a name served by both would make a
+        chat request and an embeddings request to it ambiguous."""
+        generate = tuple(inst for inst in self.instances if inst.kind == "generate")
+        embed = (*self.embedders, *(inst for inst in self.instances if inst.kind == "embed"))
+        if not generate:
+            raise ConfigError('at least one instance of kind "generate" is required', "instances")
+        generating = {inst.model for inst in generate}
+        for i, inst in enumerate((*self.instances, *self.embedders)):
+            if inst.kind == "embed" and inst.model in generating:
+                raise ConfigError(f"model {inst.model!r} is served by instances of both kinds; an embedding "
+                                  f"model needs a name of its own", f"instances[{i}].model")
+        set_normalised(self, "instances", generate)
+        set_normalised(self, "embedders", embed)
+
     def models(self) -> tuple[str, ...]:
-        """Distinct served model names, in order of first appearance."""
+        """Distinct served model names (of the generating instances), in order of first appearance."""
         return tuple(dict.fromkeys(inst.model for inst in self.instances))
+
+    def embedding_models(self) -> tuple[str, ...]:
+        """Distinct model names of the embed instances, in order of first appearance."""
+        return tuple(dict.fromkeys(inst.model for inst in self.embedders))
 
     def instance(self, name: str) -> Instance:
         """The instance called ``name``; KeyError if there is none."""

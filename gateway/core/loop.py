@@ -42,7 +42,9 @@ from gateway.core.view import PoolView
 
 log = logging.getLogger("routebalance.scheduling")
 
-EstimateFn = Callable[[Sequence[Ticket]], Estimates]  # the batch's tickets that need estimates -> their rows
+# The batch's tickets that need estimates, and for each whether its policy is content with its candidates'
+# priors (Policy.prompt_blind: nothing to embed) -> their rows.
+EstimateFn = Callable[[Sequence[Ticket], Sequence[bool]], Estimates]
 Decided = tuple[Decision, Policy | None]  # a ticket's decision and the policy that made it (None: none could)
 
 
@@ -197,8 +199,10 @@ class SchedulingLoop:
                 out[k] = (Decision((), refused=refused), policy)
                 continue
             groups.setdefault(ticket.request.policy, (policy, []))[1].append(k)
-        wanted = [k for policy, rows in groups.values() if policy.needs_estimates for k in rows]
-        whole = estimate([batch[k] for k in wanted]) if wanted else None
+        needing = [(policy, k) for policy, rows in groups.values() if policy.needs_estimates for k in rows]
+        wanted = [k for _, k in needing]
+        blind = [policy.prompt_blind(batch[k].request, view) for policy, k in needing]
+        whole = estimate([batch[k] for k in wanted], blind) if wanted else None
         # every policy sees lengths within what the request allows; the decision keeps the whole answer's too
         estimates = whole.bounded([batch[k].request for k in wanted]) if whole is not None else None
         row_of = {k: j for j, k in enumerate(wanted)}

@@ -70,6 +70,12 @@ class Policy:
     name: str = ""
     needs_estimates: bool = False  # the loop runs the estimators for this policy's requests
 
+    def prompt_blind(self, request: RouteRequest, view: PoolView) -> bool:
+        """Whether this request's estimates may be its candidates' priors (each model's mean quality and answer
+        length) instead of its prompt's: the loop then does not embed it. Only for a policy that needs
+        estimates, and only where the prompt could not change its choice much."""
+        return False
+
     def admit(self, request: RouteRequest, view: PoolView) -> Refusal | None:
         return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -138,8 +139,9 @@ class Estimators:
         """Quality and length per pool model for a batch: one embed call, one FAISS search."""
         return self.estimate_embedded(self.embedder.embed(prompts))
 
-    def for_instances(self, prompts: list[str], instances) -> Estimates:
-        """Estimates with one column per instance (its model's prediction).
+    def for_instances(self, prompts: list[str], instances, blind: Sequence[bool] | None = None) -> Estimates:
+        """Estimates with one column per instance (its model's prediction). A prompt marked `blind` is not
+        embedded: its row is the instances' priors (`priors`), its embedding zeros.
 
         A model the labels do not cover is routable on a pessimistic prior: its
         quality is the lowest of the labelled models' for that prompt (an unknown
@@ -147,7 +149,27 @@ class Estimators:
         (serving/explore.py) tries it on a bounded share of requests, and its
         labels from traffic give it its own estimate at a refresh.
         """
-        return self.for_embedded(self.embedder.embed(prompts), instances)
+        if blind is None or not any(blind):
+            return self.for_embedded(self.embedder.embed(prompts), instances)
+        seen = [k for k, b in enumerate(blind) if not b]
+        quality, length = self.priors(instances)
+        out = Estimates(np.tile(quality, (len(prompts), 1)), np.tile(length, (len(prompts), 1)),
+                        np.zeros((len(prompts), self.embedder.dim), np.float32))
+        if seen:
+            est = self.for_embedded(self.embedder.embed([prompts[k] for k in seen]), instances)
+            out.quality[seen], out.length[seen] = est.quality, est.length
+            out.embeddings[seen] = est.embeddings
+        return out
+
+    def priors(self, instances) -> tuple[np.ndarray, np.ndarray]:
+        """Per instance, what its model is expected to do on a prompt not looked at: the index's prior mean
+        quality and mean answer length over the labels (a model they do not cover: the lowest quality and the
+        mean length of those they do, as in `for_embedded`)."""
+        column = {m: j for j, m in enumerate(self.knn.models)}
+        mean_q, mean_len = self.knn.prior.mean.astype(np.float64), self.knn.length.mean(axis=0).astype(np.float64)
+        quality = np.array([mean_q[column[i.model]] if i.model in column else mean_q.min() for i in instances])
+        length = np.array([mean_len[column[i.model]] if i.model in column else mean_len.mean() for i in instances])
+        return quality, length
 
     def for_embedded(self, embeddings: np.ndarray, instances) -> Estimates:
         """`for_instances` of prompts already embedded."""

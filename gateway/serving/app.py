@@ -20,16 +20,17 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
+from gateway.api.responses import ResponsesRequest, parse_responses
 from gateway.config.sections import ApiKey, Config
 from gateway.config.store import ConfigStore
 from gateway.config.watch import watch_file
 from gateway.core.pool_state import PoolState
 from gateway.core.request import Completion, RouteRequest
-from gateway.learning.shared_completions import SharedCompletions
 from gateway.policies import registry
 from gateway.serving.body import read_body
 from gateway.serving.dispatch import Attempt, CallDispatcher, DecidedCall
 from gateway.serving.driver import Scheduler, candidates_for, refusal_error
+from gateway.serving.embeddings import EmbeddingsHandler
 from gateway.serving.feedback import FeedbackHandler
 from gateway.serving.kv_events import KvEventReader
 from gateway.serving.learner import TrafficLearner
@@ -39,6 +40,7 @@ from gateway.serving.prefixes import cache_salt, measure_prompt
 from gateway.serving.progressive import PROGRESSIVE, FellBack, Progressive
 from gateway.serving.refresh import EstimatorRefresh
 from gateway.serving.shadow import ShadowAnswers
+from gateway.serving.stored_responses import stored_at
 from gateway.serving.telemetry import scrape_forever
 from gateway.serving.workers import SINGLE, Worker
 from gateway.state.link import RedisLink
@@ -47,6 +49,7 @@ from gateway.state.sync import ReplicaSync
 from gateway.tenancy.access import Access, check_admin, json_posts_only, may_name, request_preset
 from gateway.tenancy.keys import anonymous_allowed
 from gateway.tenancy.slo_check import SloCheck, resolve_slo
+from gateway.tenancy.spend.host import HostSpendLedger
 from gateway.tenancy.spend.redis import RedisSpendLedger
 from gateway.tenancy.spend.request import KeyLedger, RequestSpend
 from gateway.tenancy.spend.sqlite import MemorySpendStore, SpendLedger, SpendStoreError, SqliteSpendStore
@@ -68,7 +71,15 @@ def resolve_policy(cfg: Config, routing, key: ApiKey | None = None) -> str:
     return routing.policy or cfg.scheduler.policy_for(request_preset(cfg, routing, key))
 
 
-def open_spend_ledger(cfg: Config) -> SpendLedger:
+def hold_ttl_s(cfg: Config) -> float:
+    """How long a reservation outlives a process that dies holding it: longer than a request may live."""
+    return cfg.upstream.total_timeout_s + cfg.batching.max_wait_s + 60
+
+
+def open_spend_ledger(cfg: Config, worker: Worker = SINGLE) -> KeyLedger:
+    """The embedded ledger; with `serve --workers`, the one whose holds live in the SQLite file they share."""
+    if cfg.state.backend == "sqlite" and worker.shared:
+        return HostSpendLedger(Path(cfg.state.path), hold_ttl_s(cfg))
     store = SqliteSpendStore(Path(cfg.state.path)) if cfg.state.backend == "sqlite" else MemorySpendStore()
     return SpendLedger(store)
 
@@ -111,6 +122,8 @@ class Gateway:
         self.access = Access(store.current)
         self.learner = TrafficLearner(store, self.metrics, worker)
         self.feedback_handler = FeedbackHandler(self.learner, self.access, self.metrics)
+        self.embeddings_handler = EmbeddingsHandler(self.access, self.metrics, self.token_counter,
+                                                    lambda: self.session, lambda: self.spend)
         self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics, worker)
         self.shadow = ShadowAnswers(store, self.learner, self.scheduler, self.metrics, lambda: self.session, worker)
         self.kv_events = KvEventReader(store, self.pool_state,
@@ -136,18 +149,15 @@ class Gateway:
         cfg = self.store.current
         if cfg.state.backend == "redis":  # read at start only: a reload does not move the state
             self.link = RedisLink(cfg.state.url, cfg.state.prefix, cfg.state.timeout_s)
-            spend = RedisSpendLedger(self.link, cfg.state.on_unavailable,
-                                     hold_ttl_s=cfg.upstream.total_timeout_s + cfg.batching.max_wait_s + 60)
+            spend = RedisSpendLedger(self.link, cfg.state.on_unavailable, hold_ttl_s=hold_ttl_s(cfg))
             self.spend = spend
             self._tasks += [loop.create_task(spend.run(cfg.state.sync_interval_s)),
                             loop.create_task(ReplicaSync(self.link, self.pool_state, self.store).run()),
                             loop.create_task(PrefixSync(self.link, self.pool_state, self.store).run())]
         self._open_spend(cfg)
         await self.learner.open()
-        if self.link is not None and self.learner.store is not None:
-            learning = cfg.learning
-            self.learner.share(SharedCompletions(self.link, learning.completion_ttl_s, learning.max_completions,
-                                                 learning.max_completion_text_chars))
+        if self.link is not None or self.worker.shared:  # a feedback may reach another process than its answer
+            self.learner.share(self.link)
         await self.shadow.open()
         if self.worker.index == 0:  # one scheduled refresh per host; the other workers follow its version
             self._tasks.append(loop.create_task(self.refresher.run_every()))
@@ -173,7 +183,7 @@ class Gateway:
 
     def _open_spend(self, cfg: Config) -> None:
         if self.spend is None and cfg.auth.keys:
-            self.spend = open_spend_ledger(cfg)
+            self.spend = open_spend_ledger(cfg, self.worker)
 
     def warm_up(self) -> None:
         """Load the tokenizer and run one decision before the first request, so the
@@ -215,6 +225,9 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "responses")
+
     async def _complete(self, request: web.Request, route: str) -> web.StreamResponse:
         cfg = self.store.current
         loop = asyncio.get_running_loop()
@@ -229,12 +242,19 @@ class Gateway:
         try:
             key = self.access.authorize(request, cfg, self.host)
             raw = await read_body(request, cfg.server.max_body_bytes, cfg.server.body_timeout_s)
-            req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
-                                   policies=registry.names(), max_slo_s=cfg.slo.max_s)
+            if route == "responses":
+                req = parse_responses(raw, request.headers, presets=cfg.scheduler.presets, policies=registry.names(),
+                                      max_slo_s=cfg.slo.max_s)
+            else:
+                req = parse_completion(raw, request.headers, chat=route == "chat", presets=cfg.scheduler.presets,
+                                       policies=registry.names(), max_slo_s=cfg.slo.max_s)
             self.access.permit(key, req, loop.time())
             policy = resolve_policy(cfg, req.routing, key)
             slo = SloCheck(*resolve_slo(cfg, req.routing, key), start, loop.time, cfg.slo.classes)
             candidates = candidates_for(cfg, req.model)
+            if isinstance(req, ResponsesRequest) and req.previous_response_id is not None:
+                # a follow-up goes where the response it continues is stored (serving/stored_responses.py)
+                candidates = (stored_at(cfg, req.previous_response_id, candidates, self.scheduler.routable),)
             if key is not None and self.spend is None:  # keys without their ledger: fail closed
                 raise ApiError(503, "the spend ledger is unavailable; requests of keys are refused until it is back",
                                None, "ledger_unavailable", headers={"Retry-After": "5"})
@@ -351,7 +371,7 @@ class Gateway:
         data = [{"id": a, "object": "model", "created": created, "owned_by": "routebalance"}
                 for a in cfg.server.aliases if may_name(key, a)]
         data += [{"id": m, "object": "model", "created": created, "owned_by": "vllm"}
-                 for m in cfg.models() if may_name(key, m)]
+                 for m in (*cfg.models(), *cfg.embedding_models()) if may_name(key, m)]
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -411,6 +431,9 @@ class Gateway:
             await asyncio.sleep(GAUGES_EVERY_S)
             self._set_gauges()
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        return await self.embeddings_handler.handle(request, self.store.current, self.host)
+
     async def feedback(self, request: web.Request) -> web.Response:
         return await self.feedback_handler.handle(request, self.store.current, self.host)
 
@@ -457,7 +480,9 @@ def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[openai_errors, json_posts_only], handler_args=handler_args(gateway.store))
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/responses", gateway.responses)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_post("/v1/embeddings", gateway.embeddings)
     app.router.add_post("/v1/feedback", gateway.feedback)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/health/ready", gateway.ready)
@@ -495,10 +520,15 @@ class _Refused(asyncio.Protocol):
         transport.close()
 
 
+# How long a hand-over lets the previous runner's connections finish their answers before it closes them.
+HAND_OVER_GRACE_S = 2.0
+
+
 class CappedListener:
     """The API's listening socket: aiohttp's request handler (the runner's public `server`, a protocol
     factory) for each new connection while fewer than `max_connections` are open, else a connection closed
-    at once. `cleanup` stops accepting first, then lets the runner close what is open."""
+    at once. `hand_over` gives the socket to another runner (`up`'s start-up placeholder to the gateway);
+    `cleanup` stops accepting first, then lets the runner close what is open."""
 
     def __init__(self, runner: web.BaseRunner, max_connections: int):
         self.runner = runner
@@ -516,6 +546,19 @@ class CappedListener:
             self.protocol, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port or None,
             ssl=ssl_context)
 
+    async def hand_over(self, runner: web.BaseRunner) -> None:
+        """Serve every new connection with `runner` (set up) from now on, on the same listening socket: closing
+        one socket and binding another refuses the connections that come in between, and a client that saw
+        the port open must never find it closed. The previous runner's connections finish their answers
+        (within HAND_OVER_GRACE_S; the placeholder's close after one) before it is cleaned up."""
+        previous, self.runner = self.runner, runner
+        server = previous.server
+        for _ in range(int(HAND_OVER_GRACE_S / 0.01)):
+            if server is None or not server.connections:
+                break
+            await asyncio.sleep(0.01)
+        await previous.cleanup()
+
     async def cleanup(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -523,17 +566,22 @@ class CappedListener:
 
 
 async def listen(gateway: Gateway, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
-                 reuse_port: bool = False) -> list:
+                 reuse_port: bool = False, listener: CappedListener | None = None) -> list:
     """Serve the gateway's API on host:port (and /metrics on [server].metrics_port if set); `reuse_port` lets
-    several processes share the port (SO_REUSEPORT). Returns what to clean up, in this order."""
+    several processes share the port (SO_REUSEPORT). `listener`: one already listening on host:port (`up`'s
+    start-up placeholder), handed over to the gateway instead of a new socket bound; from this call on it is
+    cleaned up here on failure, or by the caller with the rest. Returns what to clean up, in this order."""
     server = gateway.store.current.server
     runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None,
                            shutdown_timeout=server.shutdown_timeout_s)
-    await runner.setup()
-    api = CappedListener(runner, server.max_connections)
+    api = listener or CappedListener(runner, server.max_connections)
     runners: list = [api]
     try:
-        await api.start(host, port, ssl_context=ssl_context, reuse_port=reuse_port)
+        await runner.setup()  # the gateway's start-up (its app's cleanup_ctx), a placeholder still answering
+        if listener is None:
+            await api.start(host, port, ssl_context=ssl_context, reuse_port=reuse_port)
+        else:
+            await listener.hand_over(runner)
         if server.metrics_port is not None:
             metrics = web.Application()
             metrics.router.add_get("/metrics", gateway.metrics_page)

@@ -2,7 +2,8 @@
 
 /health is 200 with the build's progress (liveness: the process is working), /health/ready is 503
 (nothing can be routed yet), and every other request gets an OpenAI-shaped 503 that says so, with
-Retry-After. The real gateway takes the port as soon as the build is done.
+Retry-After. The real gateway takes over the same listening socket as soon as it is ready to serve, so
+a client that found the port open never finds it closed (gateway/serving/app.py, CappedListener.hand_over).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
+from gateway.serving.app import CappedListener
 
 RETRY_AFTER_S = 10
 
@@ -37,20 +39,31 @@ def building_app(progress: Callable[[], dict]) -> web.Application:
                              "first build takes minutes); it serves as soon as they are built", None, "building",
                         headers={"Retry-After": str(RETRY_AFTER_S)}).response()
 
-    app = web.Application()
+    @web.middleware
+    async def one_answer_per_connection(request: web.Request, handler) -> web.StreamResponse:
+        # Connection: close on every answer, so no client keeps a connection to the placeholder that the
+        # hand-over to the gateway would close under it; its next request opens one the gateway answers.
+        response = await handler(request)
+        response.force_close()
+        return response
+
+    app = web.Application(middlewares=[one_answer_per_connection])
     app.router.add_get("/health", health)
     app.router.add_get("/health/ready", ready)
     app.router.add_route("*", "/{tail:.*}", anything)
     return app
 
 
-async def listen_while_building(host: str, port: int, progress: Callable[[], dict]) -> web.AppRunner:
-    """Listen on host:port with the placeholder; the caller cleans the runner up before the gateway listens."""
+async def listen_while_building(host: str, port: int, progress: Callable[[], dict],
+                                max_connections: int) -> CappedListener:
+    """Listen on host:port with the placeholder; the caller hands the listener over to the gateway
+    (gateway.serving.app.listen) or cleans it up."""
     runner = web.AppRunner(building_app(progress), access_log=None, shutdown_timeout=0.5)
     await runner.setup()
+    listener = CappedListener(runner, max_connections)
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await listener.start(host, port)
     except BaseException:
-        await runner.cleanup()
+        await listener.cleanup()
         raise
-    return runner
+    return listener

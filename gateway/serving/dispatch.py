@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest
+from gateway.api.responses import ResponsesRequest
 from gateway.config.sections import Config
 from gateway.core.request import Completion, Decision, Ticket
 from gateway.serving.driver import Scheduler
@@ -41,12 +42,14 @@ from gateway.serving.relay import (
     upstream_payload,
     upstream_timeout,
 )
+from gateway.serving.responses_relay import ROUTE as RESPONSES_ROUTE
+from gateway.serving.responses_relay import ResponsesFramer, relay_response_full, responses_payload
 from gateway.tenancy.slo_check import SloCheck
 from gateway.tenancy.spend.request import RequestSpend, worst_case_usd
 from gateway.tokens import TokenCounter
 
 log = logging.getLogger("routebalance.dispatch")
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": RESPONSES_ROUTE}
 
 
 @dataclass(slots=True)
@@ -68,7 +71,7 @@ class DecidedCall:
     ticket: Ticket
     req: CompletionRequest  # the body sent upstream (the model and max_tokens set per attempt)
     spend: RequestSpend  # the request's money: each attempt reserves and pays through it
-    route: str = "chat"  # "chat" or "completions"
+    route: str = "chat"  # "chat", "completions" or "responses"
     client: web.Request | None = None  # the client a stream goes to; None: the answer comes back whole
     slo: SloCheck | None = None
     attempt: Attempt = field(default_factory=Attempt)
@@ -197,10 +200,16 @@ class CallDispatcher:
 
             cost: float | None = None
             try:
-                payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None,
-                                           cache_salt=cache_salt(spend.key, req.body))
+                salt = cache_salt(spend.key, req.body)
+                responses = names_stored = False
+                if isinstance(req, ResponsesRequest):  # the Responses API: its own body and events
+                    payload = responses_payload(req, instance, plan.max_tokens, salt)
+                    responses, names_stored = True, req.previous_response_id is not None
+                else:
+                    payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None,
+                                               cache_salt=salt)
                 upstream = await open_upstream(self._session(), instance, ROUTES[call.route], payload, timeout,
-                                               req.stream)
+                                               req.stream, names_stored=names_stored)
                 if upstream.status >= 400:  # the instance is well; the request is not
                     sched.attempt_succeeded(ticket, plan)
                     cost = 0.0
@@ -212,9 +221,12 @@ class CallDispatcher:
                     resp = await relay_stream(call.client, upstream, instance, req.include_usage, result, costing,
                                               budget_usd=budget, continuous_usage=asks_continuous_usage(req),
                                               headers=headers, on_progress=on_progress, n=routed.n,
-                                              write_timeout_s=cfg.server.write_timeout_s)
+                                              write_timeout_s=cfg.server.write_timeout_s,
+                                              framer=ResponsesFramer(costing, result, instance, budget)
+                                              if responses else None)
                 else:
-                    resp = await relay_full(upstream, instance, result, costing)
+                    relay = relay_response_full if responses else relay_full
+                    resp = await relay(upstream, instance, result, costing)
                     on_progress(result.completion_tokens)
                     resp.headers.update(headers)
                     if slo is not None:

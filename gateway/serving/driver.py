@@ -48,6 +48,9 @@ def candidates_for(cfg: Config, model: str) -> tuple[int, ...]:
     if model in cfg.server.aliases:
         return tuple(range(len(cfg.instances)))
     found = tuple(i for i, inst in enumerate(cfg.instances) if inst.model == model)
+    if not found and model in cfg.embedding_models():
+        raise ApiError(400, f"'{model}' is an embedding model: it serves POST /v1/embeddings only", "model",
+                       "model_not_supported")
     if not found:
         known = ", ".join((*cfg.server.aliases, *cfg.models()))
         raise ApiError(404, f"The model '{model}' does not exist; available: {known}", "model", "model_not_found")
@@ -290,9 +293,9 @@ class Scheduler:
         timings = BatchTimings()
         estimators = self.estimators  # one version estimates the whole batch, whatever a refresh swaps meanwhile
 
-        def estimate(tickets: list[Ticket]):
+        def estimate(tickets: list[Ticket], blind: list[bool]):
             start = time.perf_counter()
-            est = estimators.for_instances([t.request.prompt_text for t in tickets], cfg.instances)
+            est = estimators.for_instances([t.request.prompt_text for t in tickets], cfg.instances, blind)
             unlabelled = estimators.unlabelled(cfg.instances)
             # a request may explore if its key learns and it has a choice between a model without labels and one
             # with (a request that names the unknown model goes there anyway: it spends no exploration budget)

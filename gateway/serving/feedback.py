@@ -1,6 +1,6 @@
 """POST /v1/feedback: a client's score for one of its own completions, stored as a "feedback" label.
 
-    {"id": "<the completion's id>", "score": 0.8}      a score in [0, 1]
+    {"id": "<the completion's id>", "score": 0.8}      a score in [0, 1] (or a Responses API response's id)
     {"id": "<the completion's id>", "thumbs": "up"}    or "down": 1 or 0
 
 In order: learning must be on (else 404, as for an endpoint that is off) and the caller authenticated

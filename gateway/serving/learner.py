@@ -9,6 +9,9 @@ Left out, and why:
   answer to the prompt, so it gives neither a length nor a rating to any model;
 - requests asking for several answers (n > 1): the usage sums them, so no one answer's length is known,
   and a rating could not say which answer it rates;
+- the length of answers the request shapes (tools it may call, a JSON response_format: parse.py's
+  `shaped`): a tool call's or a schema's length says nothing of how long the model answers the prompt
+  (their ids are still logged: a rating of such an answer still rates its model);
 - failed answers (the instance broke off, the size cap): not how long the model's answer is;
 - a client that left before the end, when what it was delivered is unknown: its length is censored at what
   was delivered when the gateway counted that (it noticed at a write, or the stream was metered for a
@@ -21,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 
 from gateway.config.sections import ApiKey, Config
 from gateway.config.store import ConfigStore
 from gateway.learning.completions import CompletionLog, LoggedCompletion, Principal
+from gateway.learning.host_completions import HostCompletions, beside
 from gateway.learning.labels import Label, prompt_hash
 from gateway.learning.shared_completions import SharedCompletions
 from gateway.learning.store import LabelStore, LabelStoreError
@@ -34,6 +39,7 @@ from gateway.serving.dispatch import Attempt, DecidedCall
 from gateway.serving.metrics import GatewayMetrics
 from gateway.serving.relay import CLIENT_CLOSED
 from gateway.serving.workers import SINGLE, Worker
+from gateway.state.link import RedisLink
 
 log = logging.getLogger("routebalance.learning")
 PRUNE_EVERY_S = 3600.0  # how often labels past their retention are deleted
@@ -51,9 +57,9 @@ class TrafficLearner:
         self.store: LabelStore | None = None
         self.writer: LabelWriter | None = None
         self.completions: CompletionLog | None = None
-        # With a Redis state backend: the completions of every process on it, so a feedback reaching any
-        # of them is taken (set by the gateway when it opens its link).
-        self.shared: SharedCompletions | None = None
+        # With a Redis state backend, or one host's workers: the completions of every process on it, so a
+        # feedback reaching any of them is taken (set by `share`).
+        self.shared: SharedCompletions | HostCompletions | None = None
         self.unavailable = "learning is off: [learning] enabled = false"
         self._tasks: list[asyncio.Task] = []
 
@@ -89,10 +95,19 @@ class TrafficLearner:
         return (max(1, self.worker.part_of_count(learning.max_completions)), learning.completion_ttl_s,
                 self.worker.part_of_count(learning.max_completion_text_chars))
 
-    def share(self, shared: SharedCompletions) -> None:
-        """Publish the completions logged from now on to `shared`, and look up there the ids not held here."""
-        learning = self.config.current.learning
-        shared.set_bounds(learning.completion_ttl_s, learning.max_completions, learning.max_completion_text_chars)
+    def share(self, link: RedisLink | None) -> None:
+        """Publish the completions logged from now on, and look up there the ids not held here: in Redis when
+        the state is there, else (one host's workers) in a SQLite file beside the state file."""
+        cfg = self.config.current
+        if self.store is None:
+            return
+        bounds = (cfg.learning.completion_ttl_s, cfg.learning.max_completions, cfg.learning.max_completion_text_chars)
+        try:
+            shared = (SharedCompletions(link, *bounds) if link is not None
+                      else HostCompletions(beside(cfg.state.path), *bounds))
+        except (OSError, sqlite3.Error) as e:  # serve anyway: feedback is then taken where its answer was served
+            log.error("completions cannot be shared through %s: %s", beside(cfg.state.path), e)
+            return
         self.shared = shared
         self._tasks.append(asyncio.get_running_loop().create_task(shared.run()))
 
@@ -157,8 +172,9 @@ class TrafficLearner:
         digest = prompt_hash(text)
         kept = text if cfg.learning.keep_prompt_text else None
         key_name = key.name if key is not None else None
-        self.writer.offer(Label(digest, model, "length", result.completion_tokens, time.time(), kept, censored,
-                                key_name))
+        if not call.req.shaped:
+            self.writer.offer(Label(digest, model, "length", result.completion_tokens, time.time(), kept, censored,
+                                    key_name))
         if not left and result.completion_id is not None:
             now = asyncio.get_running_loop().time()
             entry = LoggedCompletion(result.completion_id, Principal.of(key_name, address), model, digest, kept, now)

@@ -39,8 +39,8 @@ def measure_prompt(counter: TokenCounter, req: CompletionRequest, block_tokens: 
     `block_tokens` is None (prefixes not looked at) or there is no tokenizer."""
     if block_tokens is None or not counter.exact:
         if req.chat:
-            return counter.count_chat(req.body["messages"], req.tools), ()
+            return counter.count_chat(req.template_messages(), req.tools), ()
         return counter.count(req.prompt_text), ()
-    ids = counter.chat_ids(req.body["messages"], req.tools) if req.chat else counter.ids(req.prompt_text)
+    ids = counter.chat_ids(req.template_messages(), req.tools) if req.chat else counter.ids(req.prompt_text)
     assert ids is not None  # the counter is exact
     return len(ids), block_hashes(ids, block_tokens, salt)

@@ -227,9 +227,11 @@ def asks_continuous_usage(req: CompletionRequest) -> bool:
 
 
 async def open_upstream(session: aiohttp.ClientSession, instance, path: str, payload: bytes,
-                        timeout: aiohttp.ClientTimeout, stream: bool = False) -> aiohttp.ClientResponse:
+                        timeout: aiohttp.ClientTimeout, stream: bool = False,
+                        names_stored: bool = False) -> aiohttp.ClientResponse:
     """POST to the instance. Raises UpstreamFailed on connect errors, timeouts, 5xx answers and a
-    404 (the instance does not serve the model it is configured with, or is not an OpenAI server).
+    404 (the instance does not serve the model it is configured with, or is not an OpenAI server),
+    unless the request `names_stored` a response (previous_response_id): its 404 is the client's.
     A non-streamed answer sends its head only when it is complete, so its timeout may be a long
     answer rather than a sick instance: that is not retried and not held against the instance."""
     headers = UPSTREAM_HEADERS
@@ -255,7 +257,7 @@ async def open_upstream(session: aiohttp.ClientSession, instance, path: str, pay
                              unreachable=True) from None
     except aiohttp.ClientError as e:  # reset, disconnected: it failed with the request
         raise UpstreamFailed(502, f"instance {instance.name} failed: {e.__class__.__name__}") from None
-    if resp.status >= 500 or resp.status == 404:
+    if resp.status >= 500 or (resp.status == 404 and not names_stored):
         resp.close()
         what = "does not serve its model (404)" if resp.status == 404 else f"failed with status {resp.status}"
         raise UpstreamFailed(502, f"instance {instance.name} {what}")
@@ -273,7 +275,7 @@ async def client_error(resp: aiohttp.ClientResponse) -> ApiError:
         message, param = None, None
     finally:
         resp.close()
-    status = resp.status if resp.status in (400, 413, 422, 429) else 400
+    status = resp.status if resp.status in (400, 404, 413, 422, 429) else 400
     message = message if isinstance(message, str) else None
     param = param if isinstance(param, str) else None
     return ApiError(status, message or f"instance rejected the request (status {resp.status})", param)
@@ -297,6 +299,21 @@ async def _read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
 
 
 async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayResult, costing: Costing) -> web.Response:
+    data = await read_answer(upstream, instance, costing)
+    headers = route_headers(instance)
+    note_answer(data, result)
+    usage = data.get("usage")
+    if isinstance(usage, dict):
+        record_usage(usage, costing, result)
+    else:
+        data["usage"] = await count_usage(_answer_texts(data), costing, result)
+    result.usage = data["usage"]
+    headers["X-Route-Cost-USD"] = f"{result.cost_usd:.10f}"
+    return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
+
+
+async def read_answer(upstream: aiohttp.ClientResponse, instance, costing: Costing) -> dict:
+    """A whole (non-streamed) answer's JSON object, read within the size cap; UpstreamFailed otherwise."""
     try:
         raw = await _read_capped(upstream, costing.max_answer_bytes)  # a complete read frees the connection
     except TimeoutError:
@@ -316,16 +333,7 @@ async def relay_full(upstream: aiohttp.ClientResponse, instance, result: RelayRe
     if not isinstance(data, dict):
         raise UpstreamFailed(502, f"instance {instance.name} sent a JSON {type(data).__name__}, not an object",
                              spent="all")
-    headers = route_headers(instance)
-    note_answer(data, result)
-    usage = data.get("usage")
-    if isinstance(usage, dict):
-        record_usage(usage, costing, result)
-    else:
-        data["usage"] = await count_usage(_answer_texts(data), costing, result)
-    result.usage = data["usage"]
-    headers["X-Route-Cost-USD"] = f"{result.cost_usd:.10f}"
-    return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
+    return data
 
 
 def note_answer(data: dict, result: RelayResult) -> None:
@@ -384,6 +392,14 @@ class _Framer:
         return json_event({**self.head, "choices": [], "usage": usage}) if self.include_usage else b""
 
     def _texts(self) -> list[str]:
+        raise NotImplementedError
+
+    def pass_block(self, block: bytes) -> tuple[bytes, bool]:
+        """The events to send, and whether the budget stops the stream after them."""
+        raise NotImplementedError
+
+    async def closing(self) -> bytes:
+        """What a metering framer sends instead of the event that would overspend, to end the stream."""
         raise NotImplementedError
 
     async def count_delivered(self) -> None:
@@ -539,13 +555,12 @@ class _BudgetMeter(_Framer):
                 continue
             self.head = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
             self._note_id(data)
-            if self.n > 1:
-                usage = None
-            if usage is not None:
+            running = usage if self.n == 1 else None  # with several answers, usage is the chunk's choice's own
+            if running is not None:
                 self.usage_seen = True
-                self.result.cached_tokens = cached_count(usage)
-                prompt = usage_count(usage, "prompt_tokens") or self.prompt
-                completion = usage_count(usage, "completion_tokens")
+                self.result.cached_tokens = cached_count(running)
+                prompt = usage_count(running, "prompt_tokens") or self.prompt
+                completion = usage_count(running, "completion_tokens")
             else:
                 texts = _answer_texts(data)
                 counted = self.costing.count("".join(texts)) if texts else 0  # a chunk's few tokens: inline
@@ -569,11 +584,11 @@ class _BudgetMeter(_Framer):
                 (self.open.discard if finished else self.open.add)(_index(c))
             self.ended = self.ended or (finished_one and not self.open)
             self._settle()
-            if usage is not None:
-                if self.continuous_usage:
-                    usage["cost_usd"] = self.result.cost_usd
-                else:
-                    data["usage"] = None  # running usage the client never asked for
+            if usage is not None and not self.continuous_usage:
+                data["usage"] = None  # running usage the client never asked for (whatever n)
+                out.append(json_event(data))
+            elif running is not None:
+                running["cost_usd"] = self.result.cost_usd
                 out.append(json_event(data))
             else:
                 out.append(event + EVENT_END)
@@ -635,7 +650,7 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
                        include_usage: bool, result: RelayResult, costing: Costing, budget_usd: float | None = None,
                        continuous_usage: bool = False, headers: Mapping[str, str] | None = None,
                        on_progress: Callable[[int], None] | None = None, n: int = 1,
-                       write_timeout_s: float | None = None) -> web.StreamResponse:
+                       write_timeout_s: float | None = None, framer: _Framer | None = None) -> web.StreamResponse:
     """Pass SSE events through. Nothing is sent to the client until the first event
     has arrived, so an instance that fails before it can still be retried elsewhere.
     A client that goes away, or does not take a write within `write_timeout_s`,
@@ -649,12 +664,15 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse, i
     request generates. `on_progress(tokens)` hears the answer tokens streamed so far
     after each write: exact for a budgeted stream, else counted as one per event (an
     instance may pack several tokens into one, and role, usage and [DONE] events
-    count too)."""
+    count too). `framer`: the framer of another API's events (the Responses API's,
+    serving/responses_relay.py), metering for `budget_usd` itself, instead of chat's."""
     loop = asyncio.get_running_loop()
     events = _EventReader(upstream)
-    meter = None
-    if budget_usd is None:
-        framer: _PassThrough | _BudgetMeter = _PassThrough(costing, include_usage, result, n)
+    meter: _Framer | None = None
+    if framer is not None:
+        meter = framer if budget_usd is not None else None
+    elif budget_usd is None:
+        framer = _PassThrough(costing, include_usage, result, n)
     else:
         framer = meter = _BudgetMeter(budget_usd, costing, include_usage, continuous_usage, result, n)
 

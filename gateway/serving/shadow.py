@@ -11,7 +11,9 @@ bound it is skipped), `shadow_max_tokens` per shadow answer, and `shadow_usd_per
 reserved before a call at its worst case (prompt plus shadow_max_tokens) and settled at what the instance
 reports. The spend is the gateway's own: it is booked to no client's key, and counted in
 `routebalance_shadow_cost_usd_total` and the log. Only whole, non-streamed, single answers are shadowed (a
-stream's text is not kept); keys with `learn = false` never are. A judge outside the pool sees prompts only
+stream's text is not kept), and not those the request shapes (tools, a JSON response_format: a tool call or
+a schema's JSON is no answer to the prompt to judge, nor a length to learn); keys with `learn = false` never
+are. A judge outside the pool sees prompts only
 where `[judge] outside_pool_may_see_prompts` says so (checked at start: otherwise shadowing stays off).
 `shadow_share` turning on and the `[judge]` are read at start; the share and the bounds apply from a reload
 on. The judge's own calls are not counted in the spend (its price is not in the config).
@@ -90,7 +92,7 @@ class ShadowAnswers:
         req, result = call.req, attempt.result
         in_flight_cap = self.worker.part_of_count(learning.shadow_max_in_flight)
         if (self.judge is None or attempt.status != 200 or attempt.index is None or req.stream or req.n != 1
-                or result.answer_text is None or (key is not None and not key.learn)
+                or req.shaped or result.answer_text is None or (key is not None and not key.learn)
                 or len(self._tasks) >= in_flight_cap or self.rng.random() >= learning.shadow_share):
             return
         served = cfg.instances[attempt.index]

@@ -3,12 +3,16 @@
 Each worker is a whole gateway listening with SO_REUSEPORT; the kernel spreads new connections over them.
 What they share, and how:
 
-- key spend and reservations, the pool view and the cooldowns: the Redis state backend, exactly as
-  replicas on several hosts share them (docs/operations/replicas.md). Without it `--workers` > 1 is
-  refused: the SQLite ledger holds reservations in one process's memory, so two workers could each
-  grant a key its last dollar;
-- completion ids for feedback: each worker also publishes the completions a client may rate to Redis
-  (gateway/learning/shared_completions.py), so a feedback is taken by whichever worker its connection reaches;
+- key spend and reservations: with the default SQLite backend, the SQLite file (its holds taken in
+  transactions that hold across processes, tenancy/spend/host.py); with the Redis backend, Redis, exactly
+  as replicas on several hosts share them (docs/operations/replicas.md). The memory backend is refused:
+  it keeps spend inside one process, so two workers could each grant a key its last dollar;
+- completion ids for feedback, so a feedback is taken by whichever worker its connection reaches: Redis
+  (gateway/learning/shared_completions.py), else a SQLite file beside the state file
+  (gateway/learning/host_completions.py);
+- with Redis only: the pool view, the cooldowns and the approximate prefix index (gateway/state/). Without
+  Redis each worker keeps its own: each scrapes every instance's /metrics, so its view of the pool lags
+  the others' dispatches by a scrape (`sharing` below says so at start);
 - the estimators' version: a refresh or rollback runs in one worker at a time (a lock file beside the
   artefacts) and writes the manifest; every worker follows the manifest's version within
   FOLLOW_EVERY_S (serving/refresh.py). Scheduled refreshes run in worker 0 only;
@@ -79,12 +83,21 @@ def workers_problem(config: Config, workers: int) -> str | None:
     """Why the config cannot be served by `workers` processes, or None."""
     if workers < 1:
         return f"--workers must be at least 1, got {workers}"
-    if workers > 1 and config.state.backend != "redis":
-        return (f"--workers {workers} needs the shared state backend: the workers must share key spend and "
-                f"reservations, and [state] backend = {config.state.backend!r} keeps them inside one process. "
-                'Set [state] backend = "redis" and url = "redis://..." (a redis-server on this host will do: '
-                "`apt-get install redis-server`), or serve with one worker.")
+    if workers > 1 and config.state.backend == "memory":
+        return (f"--workers {workers} needs a state backend the workers share: they must share key spend and "
+                '[state] backend = "memory" keeps it inside one process. Use "sqlite" (the default: the '
+                'workers share its file) or "redis", or serve with one worker.')
     return None
+
+
+def sharing(config: Config, workers: int) -> str:
+    """What the workers share and what each keeps to itself, for the log at start."""
+    if config.state.backend == "redis":
+        return f"{workers} workers share key spend, the pool view, cooldowns, the prefix index and feedback ids " \
+               f"through redis at {config.state.url}"
+    return (f"{workers} workers share key spend and reservations through {config.state.path} and feedback ids "
+            "through a file beside it; each keeps its own pool view, cooldowns and approximate prefix index "
+            '([state] backend = "redis" shares those too)')
 
 
 def _stop_with_parent() -> None:

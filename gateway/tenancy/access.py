@@ -51,14 +51,7 @@ class Access:
         """The key's rate, model and preset limits; 429 or 403 (every request counts against the rate)."""
         if key is None:
             return
-        if key.requests_per_minute is not None:
-            wait = self.rates.allow(key.name, key.requests_per_minute, now)
-            if wait is not None:
-                raise ApiError(429, f"the key {key.name!r} is limited to {key.requests_per_minute} requests a minute",
-                               None, "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(wait + 0.5)))})
-        if not may_name(key, req.model):
-            raise ApiError(403, f"the key {key.name!r} may not use the model {req.model!r} "
-                                f"(allowed: {', '.join(key.models)})", "model", "model_not_allowed")
+        self.permit_model(key, req.model, now)
         if key.presets:
             if req.routing.weights is not None:
                 raise ApiError(403, f"the key {key.name!r} may use only the presets {', '.join(key.presets)}, "
@@ -66,6 +59,19 @@ class Access:
             if req.routing.preset is not None and req.routing.preset not in key.presets:
                 raise ApiError(403, f"the key {key.name!r} may not use the preset {req.routing.preset!r} "
                                     f"(allowed: {', '.join(key.presets)})", "routing.preset", "preset_not_allowed")
+
+    def permit_model(self, key: ApiKey | None, model: str, now: float) -> None:
+        """The key's rate and model limits (what every request answers to, an embeddings one included)."""
+        if key is None:
+            return
+        if key.requests_per_minute is not None:
+            wait = self.rates.allow(key.name, key.requests_per_minute, now)
+            if wait is not None:
+                raise ApiError(429, f"the key {key.name!r} is limited to {key.requests_per_minute} requests a minute",
+                               None, "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(wait + 0.5)))})
+        if not may_name(key, model):
+            raise ApiError(403, f"the key {key.name!r} may not use the model {model!r} "
+                                f"(allowed: {', '.join(key.models)})", "model", "model_not_allowed")
 
 
 def preset_for(key: ApiKey | None, requested: str | None, default: str) -> str | None:

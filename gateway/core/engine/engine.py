@@ -29,7 +29,13 @@ Automatic prefix caching, as vLLM does it by default (prefix_cache.py): a
 request brings the chained hashes of its prompt's full blocks (`prefix`),
 takes its longest run of cached leading blocks at admission (never the
 prompt's last token: that one is always computed) and prefills only the
-rest; its full prompt blocks enter the cache as they are computed. A block
+rest; its full prompt blocks enter the cache as they are computed. The n
+samples of one request (vLLM's parallel sampling: n engine requests of one
+prompt, a `group`) share its prefill: vLLM v1 caches a block when it
+schedules it, so a sample admitted in the same step as another takes the
+blocks that one computes as hits. (vLLM does that for any two requests; the
+model keeps it to the samples of one request, which arrive together, and
+leaves distinct requests as the simulator was calibrated with.) A block
 that running requests share is counted once, and cached blocks no running
 request holds count as free (the KV usage the engine reports leaves them
 out, as vLLM's does), evicted least recently freed when room is needed.
@@ -84,12 +90,13 @@ class Sequence:
         "rid", "prompt_tokens", "max_tokens", "target_tokens", "cut", "arrival",
         "generated", "computed", "first_scheduled", "first_token_time",
         "finish_time", "finish_reason", "preemptions", "prefill_done_time", "in_host", "domain",
-        "prefix", "held", "cached_tokens",
+        "prefix", "held", "cached_tokens", "group",
     )
 
     def __init__(self, rid, prompt_tokens: int, max_tokens: int, output_tokens: int, arrival: float,
-                 domain: int = ExpertModel.NEUTRAL, prefix: Seq[int] = ()):
+                 domain: int = ExpertModel.NEUTRAL, prefix: Seq[int] = (), group: object = None):
         self.rid = rid
+        self.group = group  # the request this is one sample of (None: a request of its own)
         self.prefix = prefix  # chained hashes of the prompt's full blocks (empty: nothing to cache)
         self.held: list[int] = []  # the leading ones it holds in the prefix cache
         self.cached_tokens: int | None = None  # prompt tokens its first admission found cached
@@ -214,9 +221,10 @@ class Engine:
 
     # ---- commands ----------------------------------------------------------
     def add(self, rid, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float,
-            domain: str | None = None, prefix: Seq[int] = ()) -> Sequence:
+            domain: str | None = None, prefix: Seq[int] = (), group: object = None) -> Sequence:
         """Queue a request; `domain` (the prompt's kind, None if unknown) matters on MoE tiers only; `prefix`: the
-        chained hashes of the prompt's full blocks (core/prefix.py), for the prefix cache."""
+        chained hashes of the prompt's full blocks (core/prefix.py), for the prefix cache; `group`: the request
+        it is one sample of, whose other samples share its prompt's prefill."""
         if rid in self._by_id:
             raise ValueError(f"duplicate request id {rid!r}")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -229,7 +237,7 @@ class Engine:
             self.clock = max(self.clock, now)
         index = self.experts.domain(domain) if self.experts is not None else ExpertModel.NEUTRAL
         seq = Sequence(rid, prompt_tokens, max_tokens, output_tokens, arrival=max(now, 0.0), domain=index,
-                       prefix=prefix[:prompt_tokens // self.spec.block_size])
+                       prefix=prefix[:prompt_tokens // self.spec.block_size], group=group)
         self.waiting.append(seq)
         self._by_id[rid] = seq
         self._plan = None
@@ -343,10 +351,14 @@ class Engine:
         admitted: list[tuple[Sequence, int]] = []
         slots = spec.max_num_seqs - len(running)
         if not preempted:
+            computing: dict[object, set[int]] = {}  # group -> the prompt blocks its samples compute in this step
+            for s, t in work:
+                if s.group is not None:
+                    self._computing(computing, s, s.computed + t)
             for s in self.waiting:
                 if s.arrival > start or s.arrival > self.admit_until or slots <= 0 or budget <= 0:
                     break
-                hit, taken_free = self._hit(s)
+                hit, taken_free = self._hit(s, computing)
                 computed = s.computed + hit * size
                 chunk = min(s.context - computed, budget)
                 blocks = (-(-(computed + chunk) // size) - hit - (-(-s.computed // size))
@@ -355,6 +367,8 @@ class Engine:
                     break
                 admitted.append((s, hit))
                 work.append((s, chunk))
+                if s.group is not None:
+                    self._computing(computing, s, computed + chunk)
                 budget -= chunk
                 free -= blocks
                 slots -= 1
@@ -449,11 +463,23 @@ class Engine:
         self._plan = None
 
     # ---- the prefix cache -----------------------------------------------------
-    def _hit(self, s: Sequence) -> tuple[int, int]:
-        """(leading prompt blocks a waiting sequence would take from the cache, how many of them are free)."""
+    def _hit(self, s: Sequence, computing: dict[object, set[int]]) -> tuple[int, int]:
+        """(leading prompt blocks a waiting sequence would take from the cache, or from those other samples of its
+        group compute in this step; how many of them are free cached blocks)."""
         if self.cache is None or s.computed or s.in_host:
             return 0, 0
-        return self.cache.match(s.prefix, cacheable_blocks(s.prompt_tokens, self.spec.block_size))
+        most = cacheable_blocks(s.prompt_tokens, self.spec.block_size)
+        hit, taken_free = self.cache.match(s.prefix, most)
+        siblings = computing.get(s.group, ()) if s.group is not None else ()
+        while hit < min(most, len(s.prefix)) and s.prefix[hit] in siblings:
+            hit += 1
+        return hit, taken_free
+
+    def _computing(self, computing: dict[object, set[int]], s: Sequence, computed: int) -> None:
+        """Note, for its group, the full prompt blocks a sample holds once `computed` of its tokens are."""
+        if self.cache is not None:
+            full = min(computed, s.prompt_tokens) // self.spec.block_size
+            computing.setdefault(s.group, set()).update(s.prefix[:full])
 
     def _store(self, s: Sequence) -> None:
         """The prompt blocks `s` has now computed whole enter the cache (or, cached already, are shared)."""

@@ -42,6 +42,8 @@ class EmulatedInstance:
         self.rng = random.Random(f"{seed}:{cfg.name}")
         self._ids = itertools.count()
         self._wakeups: dict[object, asyncio.Event] = {}
+        # Requests for several answers with samples not yet finished: group -> [samples left, samples, longest].
+        self._groups: dict[str, list[int]] = {}
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{self.name}-{next(self._ids)}"
@@ -50,16 +52,22 @@ class EmulatedInstance:
         return self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate
 
     def submit(self, rid: str, *, prompt_tokens: int, max_tokens: int, output_tokens: int, now: float,
-               domain: str | None = None, ids: list[int] | None = None,
-               prefix: tuple[int, ...] = ()) -> tuple[Sequence, asyncio.Event]:
+               domain: str | None = None, ids: list[int] | None = None, prefix: tuple[int, ...] = (),
+               group: str | None = None, wake: asyncio.Event | None = None) -> tuple[Sequence, asyncio.Event]:
         """Queue a request on the engine; `domain` (the prompt's kind) picks its experts on an MoE instance;
-        `prefix`: the chained hashes of the full blocks of its prompt's token `ids` (its cache lookup)."""
+        `prefix`: the chained hashes of the full blocks of its prompt's token `ids` (its cache lookup); `group`:
+        the HTTP request it is one sample of (its samples share the prompt's prefill). `wake` (a new one if None)
+        is set when it progresses: the samples of one HTTP request share theirs."""
         seq = self.engine.add(rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=output_tokens,
-                              now=now, domain=domain, prefix=prefix)
+                              now=now, domain=domain, prefix=prefix, group=group)
+        if group is not None:
+            counts = self._groups.setdefault(group, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += 1
         if self.events is not None and seq.prefix:
             assert ids is not None  # a prefix is hashed from ids
             self.events.blocks.add(ids, seq.prefix)
-        wake = asyncio.Event()
+        wake = wake if wake is not None else asyncio.Event()
         self._wakeups[rid] = wake
         return seq, wake
 
@@ -128,4 +136,12 @@ class EmulatedInstance:
             prompt_tokens=seq.prompt_tokens,
             generation_tokens=seq.generated,
             max_tokens=seq.max_tokens,
+            n=None if seq.group is not None else 1,
         )
+        if seq.group is not None:  # the request's own histograms, once its last sample is done
+            counts = self._groups[seq.group]
+            counts[0] -= 1
+            counts[2] = max(counts[2], seq.generated)
+            if counts[0] == 0:
+                del self._groups[seq.group]
+                self.metrics.observe_request(counts[1], counts[2])

@@ -12,8 +12,10 @@ request seed:
   prompt, for its question) when the prompt is known, else a prior by model
   size, PRIOR_BASE + PRIOR_PER_LOG_B * ln(params in billions), clamped to
   [0, 1] (3B 0.36, 7B 0.45, 14B 0.52, 72B 0.68);
-- z ~ N(0, 1) is drawn from (emulator seed, model, prompt, request seed): a
-  request `seed` gives another answer, and another confidence, as sampling does;
+- z ~ N(0, 1) is drawn from (emulator seed, model, prompt, request seed, and
+  the sample's index when a request asks for several answers): a request
+  `seed` gives another answer, and another confidence, as sampling does, and
+  so does each of the n samples of one request;
 - bias(model) ~ N(0, BIAS_SD) is drawn once per model name (seeded by the name
   alone): PICE observed that a model's perplexity sits above or below another's
   whatever the answers' quality (Llama3-8B's above Qwen2.5-7B's), which is why
@@ -68,12 +70,19 @@ def model_bias(model: str) -> float:
     return random.Random(f"logprob-bias:{model}").gauss(0.0, BIAS_SD)
 
 
+def _sample_key(request_seed: int | None, sample: int) -> str:
+    """What the draws of one answer are seeded by beside the prompt: the request seed, and the sample's index past
+    the first (so sample 0 is the answer of an n = 1 request)."""
+    return f"{request_seed}" if sample == 0 else f"{request_seed}:sample:{sample}"
+
+
 def answer_mean_logprob(*, model: str, quality: float, prompt: str, emulator_seed: int,
-                        request_seed: int | None) -> float:
+                        request_seed: int | None, sample: int = 0) -> float:
     """The mean token logprob of `model`'s answer to `prompt` (key text: the last user turn), whose labelled
-    quality is `quality` (see the module docstring)."""
+    quality is `quality`, in the request's sample `sample` (see the module docstring)."""
     q = min(1.0, max(0.0, quality))
-    z = random.Random(f"logprob-noise:{emulator_seed}:{model}:{prompt_key(prompt)}:{request_seed}").gauss(0.0, 1.0)
+    key = f"logprob-noise:{emulator_seed}:{model}:{prompt_key(prompt)}:{_sample_key(request_seed, sample)}"
+    z = random.Random(key).gauss(0.0, 1.0)
     signal = RHO * (q - Q_CENTRE) / Q_SCALE + math.sqrt(1.0 - RHO * RHO) * z
     return min(LP_MAX, max(LP_MIN, LP_BASE + model_bias(model) + LP_SPREAD * signal))
 
@@ -87,11 +96,11 @@ class TokenLogprobs:
 
     @classmethod
     def for_answer(cls, *, text: str, model: str, quality: float | None, tokens: int, emulator_seed: int,
-                   request_seed: int | None) -> TokenLogprobs:
+                   request_seed: int | None, sample: int = 0) -> TokenLogprobs:
         key = prompt_key(text)
         mean = answer_mean_logprob(model=model, quality=prior_quality(model) if quality is None else quality,
-                                   prompt=text, emulator_seed=emulator_seed, request_seed=request_seed)
-        rng = random.Random(f"logprobs:{emulator_seed}:{model}:{key}:{request_seed}")
+                                   prompt=text, emulator_seed=emulator_seed, request_seed=request_seed, sample=sample)
+        rng = random.Random(f"logprobs:{emulator_seed}:{model}:{key}:{_sample_key(request_seed, sample)}")
         draws = [rng.expovariate(1.0) for _ in range(tokens)]
         scale = mean * tokens / sum(draws) if tokens and sum(draws) > 0 else 0.0
         return cls(tuple(min(0.0, d * scale) for d in draws), int(key[:8], 16))

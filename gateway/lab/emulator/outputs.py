@@ -16,6 +16,13 @@ the model would answer them, from the original question's labels:
   skeleton's point count.
 
 An unknown question falls back to the usual length model, as any prompt does.
+
+A request for several answers (`n`, or `best_of` samples; vLLM's parallel
+sampling) gets, as sample 0, the answer above; each further sample has words
+of its own and, but for a sketch (whose length its points' words make), a
+length drawn log-normally around sample 0's, with SAMPLE_LOG_SIGMA: samples
+of one prompt differ in length less than answers to different prompts do
+(LOG_SIGMA). SAMPLE_LOG_SIGMA is a choice, not a measurement.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from gateway.lab.workload.progressive import expansion_tokens, sketch_points, sk
 from gateway.records import MAX_OUTPUT_TOKENS, UNKNOWN_KIND, Record, prompt_key
 
 LOG_SIGMA = 0.8  # spread of answer lengths around the model's mean (log-normal)
+SAMPLE_LOG_SIGMA = 0.3  # spread of one request's samples' lengths around its first sample's (log-normal)
 
 _WORDS = (
     "the of and to in is that for it as with was on be by this are or at from an which have not "
@@ -62,9 +70,11 @@ class Answer:
         return "".join(self.token_strings(start, count))
 
 
-def text_seed(prompt: str) -> int:
-    """The seed of the words the emulator answers `prompt` with (its filler and a sketch's points)."""
-    return int(prompt_key(prompt)[:8], 16)
+def text_seed(prompt: str, sample: int = 0) -> int:
+    """The seed of the words the emulator answers `prompt` with (its filler and a sketch's points) in the
+    request's sample `sample` (0: the only answer of an n = 1 request)."""
+    seed = int(prompt_key(prompt)[:8], 16)
+    return seed if sample == 0 else int(prompt_key(f"{seed}:sample:{sample}")[:8], 16)
 
 
 def sketch_pieces(points: int, seed: int) -> tuple[str, ...]:
@@ -121,9 +131,10 @@ class OutputLengths:
         known = self.scores.get(prompt_key(_question(text))) if self.scores else None
         return known.get(model) if known else None
 
-    def answer(self, text: str, model: str) -> Answer:
-        """What `model` answers to `text`: a progressive prompt by its question's labels, any other by its own."""
-        seed = text_seed(text)
+    def answer(self, text: str, model: str, sample: int = 0) -> Answer:
+        """What `model` answers to `text` in the request's sample `sample` (see the module docstring): a
+        progressive prompt by its question's labels, any other by its own."""
+        seed = text_seed(text, sample)
         sketch = parse_sketch_prompt(text)
         if sketch is not None:
             k = sketch_points(self.for_prompt(sketch.question, model), sketch.max_points)
@@ -131,9 +142,18 @@ class OutputLengths:
             return Answer(len(pieces), seed, pieces)
         expansion = parse_expansion_prompt(text)
         if expansion is not None:
-            return Answer(expansion_tokens(self.for_prompt(expansion.question, model), len(expansion.points)),
-                          seed)
-        return Answer(self.for_prompt(text, model), seed)
+            tokens = expansion_tokens(self.for_prompt(expansion.question, model), len(expansion.points))
+        else:
+            tokens = self.for_prompt(text, model)
+        return Answer(self._sampled(tokens, text, model, sample), seed)
+
+    def _sampled(self, tokens: int, text: str, model: str, sample: int) -> int:
+        """The length of sample `sample` of an answer whose sample 0 is `tokens` long."""
+        if sample == 0:
+            return tokens
+        rng = random.Random(f"{self.seed}:{model}:{prompt_key(text)}:sample:{sample}")
+        draw = rng.lognormvariate(math.log(tokens) - SAMPLE_LOG_SIGMA**2 / 2, SAMPLE_LOG_SIGMA)
+        return max(1, min(round(draw), MAX_OUTPUT_TOKENS))
 
     def for_prompt(self, text: str, model: str) -> int:
         key = prompt_key(text)

@@ -401,9 +401,11 @@ class VllmMetrics:
         prompt_tokens: int,
         generation_tokens: int,
         max_tokens: int | None,
-        n: int = 1,
+        n: int | None = 1,
     ) -> None:
-        """A finished request, as vLLM records one.
+        """A finished request, as vLLM records one; with ``n`` None, one
+        sample of a request for several answers, whose ``n`` and longest
+        answer `observe_request` records once its last sample has finished.
 
         Intervals follow vLLM's definitions: queue = queued -> first
         scheduled; prefill = first scheduled -> first token; decode = first ->
@@ -432,10 +434,18 @@ class VllmMetrics:
         self._h_generation_tokens.observe(generation_tokens)
         # Mean time per output token excludes the token the prefill produced.
         self._h_request_tpot.observe(decode / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
-        self._h_max_num_generation_tokens.observe(generation_tokens)
-        self._h_params_n.observe(n)
+        if n is not None:
+            self.observe_request(n, generation_tokens)
         if max_tokens:
             self._h_params_max_tokens.observe(max_tokens)
+
+    def observe_request(self, n: int, max_generation_tokens: int) -> None:
+        """A request whose ``n`` samples have all finished, the longest with
+        ``max_generation_tokens`` tokens: vLLM records these once per request
+        (ParentRequest.observe_finished_request), its samples each as a
+        finished request of its own."""
+        self._h_max_num_generation_tokens.observe(max_generation_tokens)
+        self._h_params_n.observe(n)
 
     # ------------------------------------------------------------------
     # Exposition.

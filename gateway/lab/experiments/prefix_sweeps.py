@@ -56,11 +56,12 @@ def _key(cfg, source: PrefixSource, n: int) -> str:
 # ---- the sweep: RouteBalance with and without the cache term, against the cache-aware baselines -----------
 
 LOADS = (0.3, 0.6, 0.9)
-TRACE_REQUESTS = 4000  # the trace's first 4,000 rows (about 19 minutes of it); --requests changes it
+TRACE_REQUESTS = 2000  # the trace's first 2,000 rows (about 9 minutes of it); --requests changes it
 PAIRED_FIGURES = ("ttft_mean", "ttft_p50", "ttft_p99", "e2e_p99", "quality", "cost_mean", "prefix_hit_rate")
 RB = "routebalance"
 RB_MODES = ("approximate", "events", "off")  # what the gateway knows of the engines' caches
 BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approximate index
+COLD = "prefill priced cold"  # RouteBalance's prefill term with every prompt priced as if nothing were cached
 
 
 def sources(n: int) -> list[tuple[PrefixSource, int]]:
@@ -80,6 +81,10 @@ def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
             for mode in RB_MODES:
                 spec = CellSpec(RB, requests=requests, arrivals=arr, prefixed=source, prefix_cache=mode)
                 out.append(Cell(RB, f"prefix_cache={mode}", spec, tags=tags))
+            # The ablation: the prefill's load priced, the caches not looked at (every prompt priced cold).
+            spec = CellSpec(RB, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
+            out.append(Cell(RB, COLD, spec, config_changes=(("routebalance", {"prefill_term": "cold"}),),
+                            tags=tags))
             for policy in BASELINES:
                 spec = CellSpec(policy, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
                 out.append(Cell(policy, policy, spec, tags=tags))
@@ -94,7 +99,8 @@ def pairs(cells_: list[Cell]) -> list:
         where = {"prompts": prompts, "load": load}
         ours = {"system": RB, "label": "prefix_cache=approximate", **where}
         others = [("cache term off", {"system": RB, "label": "prefix_cache=off", **where}),
-                  ("events", {"system": RB, "label": "prefix_cache=events", **where})]
+                  ("events", {"system": RB, "label": "prefix_cache=events", **where}),
+                  ("the prefill priced cold", {"system": RB, "label": COLD, **where})]
         others += [(p, {"system": p, **where}) for p in BASELINES]
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]

@@ -285,6 +285,8 @@ class Simulation:
                                cfg.progressive.limits(), cfg.progressive.rule()) if spec.progressive else None)
         self.parent = self.plans.parent if self.plans else np.arange(len(ev))
         self.predicted, self.judged = ev.length, ev.label_score
+        self.priors: tuple[np.ndarray, np.ndarray] | None = None  # per instance, for prompts not looked at
+        self.embedded = 0  # client prompts embedded for the batch being decided
         if self.plans:
             self.label_length, self.predicted = row_lengths(self.plans, self.label_length, ev.length, instances)
             self.judged = ev.label_score[self.parent]
@@ -338,10 +340,19 @@ class Simulation:
                 self.tickets.append(ticket(e.row, e.model, plan.expand_prompt_tokens, limits.expansion_max_tokens))
 
     # ---- the engines --------------------------------------------------------------------------
-    def estimate(self, batch: list[Ticket]) -> Estimates:
+    def estimate(self, batch: list[Ticket], blind: list[bool]) -> Estimates:
+        """The cached estimates of the batch's prompts; a prompt its policy need not look at (`blind`) gets each
+        instance's mean over the evaluation set instead, as live it gets the model's priors. Counts the client
+        prompts embedded (progressive expansions reuse their question's estimates), for the compute charge."""
         rows = [t.handle for t in batch]
         own = self.parent[rows]
-        return Estimates(self.ev.quality[own], self.predicted[rows], self.ev.embeddings[own])
+        est = Estimates(self.ev.quality[own], self.predicted[rows], self.ev.embeddings[own])
+        self.embedded = sum(1 for t, b in zip(batch, blind, strict=True) if not b and t.handle < len(self.ev))
+        if any(blind):
+            if self.priors is None:
+                self.priors = self.ev.quality.mean(axis=0), self.predicted[:len(self.ev)].mean(axis=0)
+            est.quality[blind], est.length[blind] = self.priors
+        return est
 
     def expert_domain(self, rid: int) -> str | None:
         """What an MoE instance routes the request's tokens by: its prompt's kind and text (engine/moe.py)."""
@@ -455,13 +466,12 @@ class Simulation:
         self.batches.append(len(batch))
         if self.shared.mode != "single":
             self.ages.append(self.shared.age(rep.index, t))
+        self.embedded = 0
         decided = scheduling.decide(cfg, batch, self.view(rep, t), self.estimate)
         for ticket, (d, _) in zip(batch, decided, strict=True):
             if d.ranked and d.ranked[0] in self.down:
                 self.ranked_down.append(ticket.handle)  # the policy put a known-down instance first
-        # Progressive expansions reuse their question's estimates: only the client requests are embedded.
-        embedded = sum(1 for ticket in batch if ticket.handle < len(self.ev))
-        compute = self.ev.cost.estimate_s(embedded) if rep.policy.needs_estimates and embedded else 0.0
+        compute = self.ev.cost.estimate_s(self.embedded) if self.embedded else 0.0
         compute += rep.policy.compute_s(len(batch), self.ev.cost)
         return t + compute, batch, decided
 

@@ -34,6 +34,7 @@ from gateway.core.view import PoolView
 TpotFn = Callable[[str, np.ndarray], np.ndarray]  # (tier, rows) -> seconds per token
 TIE = 1e-9  # scores this close are equal; the tie-break decides
 LatencyTerm = Literal["heads", "prior", "off"]
+PrefillTerm = Literal["cached", "cold"]
 TieBreak = Literal["shortest_queue", "predicted"]
 
 
@@ -49,7 +50,11 @@ class RouteBalanceOptions(Section):
     equal on those too a seeded random choice (`seed`), so ties spread load
     instead of herding onto the lowest-numbered instance; lpt: longest
     predicted answer first within a batch; budget_filter: Eq. 2 before
-    scoring (the dispatch clamp and the streaming stop apply either way).
+    scoring (the dispatch clamp and the streaming stop apply either way);
+    prefill_term (where the gateway looks at prefixes): the prefill of what a
+    candidate does not hold, or of the whole prompt as if no instance held
+    any of it (the ablation that tells pricing the prefill's load apart from
+    knowing the caches).
     """
 
     quality_term: QualityTerm = "raw"
@@ -57,6 +62,7 @@ class RouteBalanceOptions(Section):
     tiebreak: TieBreak = "shortest_queue"
     lpt: bool = True
     budget_filter: bool = True
+    prefill_term: PrefillTerm = "cached"
     seed: int = 0
 
     @property
@@ -146,7 +152,8 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
                              view.running[cands], view.waiting[cands], view.max_num_seqs[cands])
     cached = view.cached_tokens(req.prefix, req.input_tokens)[cands] if view.knows_prefixes else None
     if cached is not None:
-        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, cached, view.running[cands])
+        priced = cached if options.prefill_term == "cached" else np.zeros_like(cached)
+        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.running[cands])
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],

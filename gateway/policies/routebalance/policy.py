@@ -22,6 +22,12 @@ class RouteBalance(Policy):
         self.tpot = tpot  # the TPOT heads; None falls back to the static prior
         self.rng = np.random.default_rng(options.seed)  # breaks exact ties: a run repeats, load spreads
 
+    def prompt_blind(self, request: RouteRequest, view: PoolView) -> bool:
+        # Among one model's instances the prompt's quality is the same everywhere and its predicted length
+        # only scales each candidate's decode time: the model's mean length ranks them nearly as well, and
+        # embedding a long prompt costs tens of milliseconds of the time to its first token.
+        return len({view.instances[c].model for c in request.candidates}) == 1
+
     def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
         if estimates is None:
             raise ValueError("routebalance needs the batch's estimates")

@@ -55,8 +55,8 @@ def worst_case_usd(instance, input_tokens: int, max_tokens: int | None, n: int, 
 
 
 class KeyLedger(Protocol):
-    """The spend ledger a request draws on: this process's own (tenancy/spend/sqlite.py) or one shared by
-    replicas (tenancy/spend/redis.py)."""
+    """The spend ledger a request draws on: this process's own (tenancy/spend/sqlite.py), one shared by a host's
+    workers (tenancy/spend/host.py) or one shared by replicas (tenancy/spend/redis.py)."""
 
     async def refresh(self, key: ApiKey, now: float) -> None: ...
     def remaining(self, key: ApiKey, now: float) -> float | None: ...

@@ -8,9 +8,10 @@ limit, so concurrent requests cannot overspend a key together.
 
 Booked spend lives in a store (SQLite for one process, memory for tests);
 reservations live in the ledger. The ledger is used from one event-loop thread,
-so a reservation's check and hold cannot interleave with another's. A store
-shared by several replicas cannot rely on that: it checks and holds in one
-atomic step on the server (gateway/tenancy/spend/redis.py).
+so a reservation's check and hold cannot interleave with another's. Ledgers
+shared by several processes cannot rely on that: they check and hold in one
+atomic step, in the SQLite file of one host's workers (host.py) or on the
+Redis server of several replicas (redis.py).
 
 No clock is read here: every method takes ``now`` (epoch seconds); periods are
 UTC days and months.
@@ -99,14 +100,15 @@ class MemorySpendStore:
         pass
 
 
-_SCHEMA = """CREATE TABLE IF NOT EXISTS spend (
+# Shared with host.py, which books into the same table.
+SPEND_SCHEMA = """CREATE TABLE IF NOT EXISTS spend (
     key TEXT NOT NULL,
     period TEXT NOT NULL,
     usd REAL NOT NULL,
     requests INTEGER NOT NULL,
     PRIMARY KEY (key, period)
 )"""
-_UPSERT = """INSERT INTO spend (key, period, usd, requests) VALUES (?, ?, ?, ?)
+BOOK_UPSERT = """INSERT INTO spend (key, period, usd, requests) VALUES (?, ?, ?, ?)
 ON CONFLICT (key, period) DO UPDATE SET usd = usd + excluded.usd, requests = requests + excluded.requests"""
 # Calls run on the event loop: waiting for another writer's lock must stay short.
 # Only a second process writing the same file takes that lock (readers never do in WAL mode).
@@ -132,7 +134,7 @@ class SqliteSpendStore:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
-                db.execute(_SCHEMA)
+                db.execute(SPEND_SCHEMA)
             except sqlite3.Error:
                 db.close()
                 raise
@@ -153,7 +155,7 @@ class SqliteSpendStore:
 
     def add(self, key: str, period: str, usd: float, requests: int) -> None:
         with self._errors():
-            self._db.execute(_UPSERT, (key, period, usd, requests))
+            self._db.execute(BOOK_UPSERT, (key, period, usd, requests))
 
     def close(self) -> None:
         self._db.close()
