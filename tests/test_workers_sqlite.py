@@ -69,7 +69,9 @@ def _race(path: str, start, granted) -> None:
 
 def test_two_processes_racing_holds_on_one_file_never_pass_the_limit(tmp_path):
     path = tmp_path / "state.db"
-    HostSpendLedger(path, hold_ttl_s=600)  # the file set up before the race, as the first worker would
+    # The file set up before the race, as the first worker would, and closed: a SQLite connection open across
+    # a fork breaks the children's locks (the workers of `serve --workers` are fresh interpreters, not forks).
+    asyncio.run(HostSpendLedger(path, hold_ttl_s=600).aclose(1.0))
     ctx = multiprocessing.get_context("fork")
     start, granted = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_race, args=(str(path), start, granted)) for _ in range(2)]
