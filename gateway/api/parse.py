@@ -257,14 +257,20 @@ def _parse_mode(raw, param: str) -> str:
     return raw.strip().lower()
 
 
-def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=(),
-                     max_slo_s: float = 86400.0) -> CompletionRequest:
-    body = parse_body(raw)
+def model_of(body: dict) -> str:
+    """The model a request names (a pool model or an alias, resolved later); 400 if it names none."""
     model = body.get("model")
     if model is None:
         raise ApiError(400, "'model' is required", "model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' must be a non-empty string", "model")
+    return model
+
+
+def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=(),
+                     max_slo_s: float = 86400.0) -> CompletionRequest:
+    body = parse_body(raw)
+    model = model_of(body)
     prompt_text = _chat_prompt(body) if chat else _completion_prompt(body)
 
     stream = body.get("stream", False)

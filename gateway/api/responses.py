@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.api.errors import ApiError
-from gateway.api.parse import CompletionRequest, _check_number, parse_body, parse_routing
+from gateway.api.parse import CompletionRequest, _check_number, model_of, parse_body, parse_routing
 
 ROLES = frozenset({"user", "system", "developer", "assistant"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -105,11 +105,7 @@ def conversation(body: dict) -> tuple[list[dict], bool]:
 def parse_responses(raw: bytes, headers: Mapping[str, str], *, presets, policies=(),
                     max_slo_s: float = 86400.0) -> ResponsesRequest:
     body = parse_body(raw)
-    model = body.get("model")
-    if model is None:
-        raise ApiError(400, "'model' is required", "model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' must be a non-empty string", "model")
+    model = model_of(body)
     messages, has_media = conversation(body)
     last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     prompt_text = last_user or (messages[-1]["content"] if messages else "")
