@@ -267,17 +267,22 @@ def model_of(body: dict) -> str:
     return model
 
 
+def stream_of(body: dict) -> bool:
+    """Whether the answer is to be streamed (absent or null: not); 400 for anything but a boolean."""
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    return stream
+
+
 def parse_completion(raw: bytes, headers: Mapping[str, str], *, chat: bool, presets, policies=(),
                      max_slo_s: float = 86400.0) -> CompletionRequest:
     body = parse_body(raw)
     model = model_of(body)
     prompt_text = _chat_prompt(body) if chat else _completion_prompt(body)
-
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", "stream")
+    stream = stream_of(body)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.api.errors import ApiError
-from gateway.api.parse import CompletionRequest, _check_number, model_of, parse_body, parse_routing
+from gateway.api.parse import CompletionRequest, _check_number, model_of, parse_body, parse_routing, stream_of
 
 ROLES = frozenset({"user", "system", "developer", "assistant"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -109,11 +109,7 @@ def parse_responses(raw: bytes, headers: Mapping[str, str], *, presets, policies
     messages, has_media = conversation(body)
     last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     prompt_text = last_user or (messages[-1]["content"] if messages else "")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", "stream")
+    stream = stream_of(body)
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise ApiError(400, "'max_output_tokens' must be an integer >= 1", "max_output_tokens")
