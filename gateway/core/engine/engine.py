@@ -190,7 +190,9 @@ class Engine:
         """KV blocks running sequences hold: their own, and the cached ones they share counted once (cached blocks
         no running sequence holds are free)."""
         size = self.spec.block_size
-        own = sum(-(-s.computed // size) - len(s.held) for s in self.running)
+        own = 0
+        for s in self.running:  # a plain loop: this runs twice a step, the simulator's hottest line
+            own += -(-s.computed // size) - len(s.held)
         return own + (self.cache.referenced if self.cache is not None else 0)
 
     def kv_usage(self) -> float:
@@ -316,12 +318,10 @@ class Engine:
         size = spec.block_size
         start = self.clock
 
-        def new_blocks(s: Sequence, tokens: int) -> int:
-            return -(-(s.computed + tokens) // size) - (-(-s.computed // size))
-
         # Running sequences keep their slots: decoders (one pending token) first
         # so they never starve, then unfinished prefills by chunk. If the KV
         # cache cannot take this step's tokens, preempt the newest sequence.
+        # (Sequence.pending is spelt out in these loops: they run every step.)
         running = list(self.running)
         preempted: list[Sequence] = []
         used = self.blocks_used()
@@ -329,16 +329,23 @@ class Engine:
             budget = spec.max_num_batched_tokens
             free = spec.num_gpu_blocks - used
             work: list[tuple[Sequence, int]] = []
+            prefilling: list[tuple[Sequence, int]] = []
             for s in running:
-                if s.pending == 1:
+                pending = s.prompt_tokens + s.generated - s.computed
+                if pending == 1:
                     work.append((s, 1))
                     budget -= 1
-            for s in running:
-                if s.pending > 1 and budget > 0:
-                    chunk = min(s.pending, budget)
-                    work.append((s, chunk))
-                    budget -= chunk
-            need = sum(new_blocks(s, t) for s, t in work)
+                elif pending > 1:
+                    prefilling.append((s, pending))
+            for s, pending in prefilling:
+                if budget <= 0:
+                    break
+                chunk = min(pending, budget)
+                work.append((s, chunk))
+                budget -= chunk
+            need = 0
+            for s, t in work:  # the new blocks each one's tokens open
+                need += -(-(s.computed + t) // size) - (s.computed + size - 1) // size
             if need <= free or not running:
                 break
             preempted.append(running.pop())
@@ -383,10 +390,14 @@ class Engine:
             self.clock = min(later)
             return self._make_plan()
 
-        decoding = sum(1 for _, t in work if t == 1)
-        hits = {id(s): h * size for s, h in admitted}
-        kv_tokens = sum(s.computed + hits.get(id(s), 0) for s, _ in work)
-        prefill_tokens = sum(t for _, t in work if t > 1)
+        decoding = kv_tokens = prefill_tokens = 0
+        for s, t in work:
+            kv_tokens += s.computed
+            if t == 1:
+                decoding += 1
+            else:
+                prefill_tokens += t
+        kv_tokens += sum(h for _, h in admitted) * size  # the cached blocks admitted ones start with
         union = 0.0
         factor = 1.0 + spec.batch_slope * max(len(work) - 1, 0) + spec.kv_read_per_token * kv_tokens
         if self.experts is not None:  # MoE: the dense part above, and the MoE layers by the experts loaded
@@ -426,19 +437,21 @@ class Engine:
                 if s.cached_tokens is None:
                     s.cached_tokens = hit * size
 
-        for s, tokens in plan.work:
+        cache = self.cache
+        prompt_tokens = generated = 0
+        for s, tokens in plan.work:  # every step's loop: locals and spelt-out properties keep it lean
             if tokens > 1 or s.generated == 0:
-                report.prompt_tokens += tokens
+                prompt_tokens += tokens
             s.computed += tokens
-            if self.cache is not None and len(s.held) < len(s.prefix):
+            if cache is not None and len(s.held) < len(s.prefix):
                 self._store(s)
-            if s.computed < s.context:
+            if s.computed < s.prompt_tokens + s.generated:
                 continue  # prefill continues next step
             # All known tokens are in the cache: the model samples the next one.
             if s.prefill_done_time is None:
                 s.prefill_done_time = end
             s.generated += 1
-            report.generation_tokens += 1
+            generated += 1
             if s.first_token_time is None:
                 s.first_token_time = end
             if s.generated >= s.target_tokens:
@@ -448,9 +461,12 @@ class Engine:
                 self._release(s)
                 del self._by_id[s.rid]
                 report.finished.append(s)
-            if id(s) not in seen:
-                seen.add(id(s))
+            key = id(s)
+            if key not in seen:
+                seen.add(key)
                 report.progressed.append(s)
+        report.prompt_tokens += prompt_tokens
+        report.generation_tokens += generated
         if plan.decoding:
             report.inter_token.append((end - plan.start, plan.decoding))
         report.steps += 1
