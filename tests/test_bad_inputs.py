@@ -38,6 +38,12 @@ CASES = [
     ("context too long for the instance", CHAT, {**GOOD, "max_tokens": 9000}, {}, 400, "max_tokens"),
     ("oversize body", CHAT, {**GOOD, "messages": [{"role": "user", "content": "x" * 1_100_000}]}, {}, 413, None),
     ("unknown path", "/embeddings-nope", GOOD, {}, 404, None),
+    # what getting-started lists as not served
+    ("token ids as the prompt", "/completions", {"model": "auto", "prompt": [1, 2, 3]}, {}, 400, "prompt"),
+    ("a list of prompts", "/completions", {"model": "auto", "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("a background response", "/responses", {"model": "auto", "input": "hi", "background": True}, {}, 400,
+     "background"),
+    ("images", "/images/generations", {"model": "auto", "prompt": "a cat"}, {}, 404, None),
 ]
 
 

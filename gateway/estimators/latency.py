@@ -20,6 +20,7 @@ import xgboost as xgb
 
 from gateway.artefacts import ArtefactError
 from gateway.core.view import STATE_FEATURES
+from gateway.estimators.forest import Forest
 
 # A head's features: the instance's state as the scheduler tracks it, then the request itself.
 FEATURES = (
@@ -40,6 +41,9 @@ PARAMS = {
 }
 ROUNDS = 500
 EARLY_STOP = 30
+# Up to this many rows a call walks the trees with numpy (estimators/forest.py), above it XGBoost predicts: the
+# walk costs about 80 us for one row and 1 ms for 52, XGBoost 0.6-0.9 ms whatever the rows (`routebalance bench`).
+WALK_ROWS = 32
 
 
 def fit_head(x: np.ndarray, tpot_s: np.ndarray, seed: int = 0) -> xgb.Booster:
@@ -72,7 +76,8 @@ class LatencyHeads:
     """TPOT per tier: the tier's booster if there is one, else its static prior."""
 
     def __init__(self, boosters: Mapping[str, xgb.Booster], priors_s: Mapping[str, float]):
-        self.boosters = dict(boosters)
+        self.boosters = dict(boosters)  # what is saved and refitted
+        self.forests = {tier: Forest(b) for tier, b in self.boosters.items()}  # few rows: forest.py says why
         self.priors_s = dict(priors_s)
 
     def tpot(self, tier: str, x: np.ndarray) -> np.ndarray:
@@ -80,7 +85,9 @@ class LatencyHeads:
         booster = self.boosters.get(tier)
         if booster is None:  # no head; NaN if the tier is unknown altogether (the caller knows its prior)
             return np.full(len(x), self.priors_s.get(tier, np.nan))
-        pred = booster.inplace_predict(np.asarray(x, dtype=np.float32)) / 1000
+        x = np.asarray(x, dtype=np.float32)
+        # The two agree to float32 rounding; each is the faster one on its side of WALK_ROWS.
+        pred = (self.forests[tier].predict(x) if len(x) <= WALK_ROWS else booster.inplace_predict(x)) / 1000
         # A head never predicts faster than the tier's unloaded decode: that floor is physics.
         return np.maximum(pred, self.priors_s.get(tier, 0.0) * 0.5)
 

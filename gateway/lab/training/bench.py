@@ -91,7 +91,36 @@ def run_bench(config, prompts: int = 512) -> str:
     lines.append("whole set sorted then cut into batches of 16: "
                  f"{(time.perf_counter() - t0) / len(texts) * 1000:.2f} ms/prompt")
     lines += _cache_lines(config, onnx, texts)
+    lines += _head_lines(est)
     return "\n".join(lines)
+
+
+HEAD_ROWS = (1, 4, 13, 52)  # one request on one instance; a tier of four; the pool; a batch of four on the pool
+HEAD_CALLS = 300
+
+
+def _head_lines(est: Estimators) -> list[str]:
+    """A TPOT head's time per call, walked with numpy (what serves, estimators/forest.py) and by XGBoost's
+    inplace_predict, for the rows a decision asks about, and the largest relative gap between the two."""
+    lines = [f"TPOT head per call (us), mean over the {len(est.heads.forests)} tiers' heads, {HEAD_CALLS} calls each:",
+             f"{'rows':>5} {'numpy':>7} {'xgboost':>8} {'max rel. gap':>13}"]
+    rng = np.random.default_rng(0)
+    for n in HEAD_ROWS:
+        x = (rng.random((n, len(FEATURES))) * np.geomspace(1, 2048, len(FEATURES))).astype(np.float32)
+        spent = {"numpy": 0.0, "xgboost": 0.0}
+        gap = 0.0
+        for tier, booster in est.heads.boosters.items():
+            forest = est.heads.forests[tier]
+            for name, predict in (("numpy", forest.predict), ("xgboost", booster.inplace_predict)):
+                t0 = time.perf_counter()
+                for _ in range(HEAD_CALLS):
+                    predict(x)
+                spent[name] += time.perf_counter() - t0
+            theirs = booster.inplace_predict(x)
+            gap = max(gap, float(np.max(np.abs(forest.predict(x) - theirs) / np.abs(theirs))))
+        per_call = {k: v / HEAD_CALLS / max(len(est.heads.boosters), 1) * 1e6 for k, v in spent.items()}
+        lines.append(f"{n:>5} {per_call['numpy']:>7.0f} {per_call['xgboost']:>8.0f} {gap:>13.1e}")
+    return lines
 
 
 REPEATS = (0.0, 0.1, 0.25, 0.5)  # share of requests repeating an earlier prompt (retries, popular questions)
