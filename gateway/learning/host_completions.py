@@ -22,11 +22,10 @@ import logging
 import os
 import sqlite3
 import time
-from collections import deque
 from pathlib import Path
 
 from gateway.learning.completions import MAX_ID_CHARS, LoggedCompletion
-from gateway.learning.shared_completions import BATCH, OUTBOX, decode, encode
+from gateway.learning.shared_completions import CompletionOutbox, decode, encode
 
 log = logging.getLogger("routebalance.learning.host")
 
@@ -44,7 +43,6 @@ _PUT = f"""INSERT INTO completions (id, entry, at, chars) VALUES (?, ?, ?, ?)
 ON CONFLICT (id) DO UPDATE SET entry = '{_AMBIGUOUS}', at = excluded.at, chars = 0"""
 _LOCK_WAIT_S = 0.25  # on the event loop: another worker's transaction is short
 _OPEN_WAIT_S = 10.0  # every worker sets the file up at once at start
-_RETRY_S = 1.0
 
 
 def beside(state_path: str | os.PathLike[str]) -> Path:
@@ -68,43 +66,25 @@ def _connect(path: Path) -> sqlite3.Connection:
     return db
 
 
-class HostCompletions:
+class HostCompletions(CompletionOutbox):
     def __init__(self, path: str | os.PathLike[str], ttl_s: float, max_completions: int, max_text_chars: int):
+        super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = _connect(self.path)  # the event loop's
         self._writer = _connect(self.path)  # the writer's, in a thread
-        self._outbox: deque[LoggedCompletion] = deque()
-        self._waiting = asyncio.Event()
-        self.dropped = 0  # entries the full outbox pushed out
         self.set_bounds(ttl_s, max_completions, max_text_chars)
 
     def set_bounds(self, ttl_s: float, max_completions: int, max_text_chars: int) -> None:
         self.ttl_s, self.max_completions, self.max_text_chars = ttl_s, max_completions, max_text_chars
 
-    def publish(self, entry: LoggedCompletion) -> None:
-        """Queue an entry the local log took (never waits; its id was checked there, CompletionLog.put)."""
-        if len(self._outbox) >= OUTBOX:
-            self._outbox.popleft()
-            self.dropped += 1
-        self._outbox.append(entry)
-        self._waiting.set()
-
-    async def run(self) -> None:
-        """The writer: empty the outbox in batches while the file takes them; keep them while it does not."""
-        while True:
-            await self._waiting.wait()
-            self._waiting.clear()
-            while self._outbox:
-                batch = [self._outbox[i] for i in range(min(BATCH, len(self._outbox)))]
-                try:
-                    await asyncio.to_thread(self.put, batch, time.time())
-                except sqlite3.Error as e:
-                    log.warning("completions not yet shared through %s (retried): %s", self.path, e)
-                    await asyncio.sleep(_RETRY_S)
-                    continue
-                for _ in batch:
-                    self._outbox.popleft()
+    async def write(self, batch: list[LoggedCompletion]) -> bool:
+        try:
+            await asyncio.to_thread(self.put, batch, time.time())
+        except sqlite3.Error as e:
+            log.warning("completions not yet shared through %s (retried): %s", self.path, e)
+            return False
+        return True
 
     def put(self, batch: list[LoggedCompletion], now: float) -> None:
         """Write `batch` and trim the table to its bounds, oldest first, in one transaction (the writer's)."""

@@ -98,22 +98,17 @@ def decode(completion_id: str, raw: bytes | str) -> LoggedCompletion | None:
         return None
 
 
-class SharedCompletions:
-    def __init__(self, link: RedisLink, ttl_s: float, max_completions: int, max_text_chars: int):
-        self.link = link
-        tag = "{completions}"
-        self._keys = [link.key(tag, "entries"), link.key(tag, "times"), link.key(tag, "sizes"),
-                      link.key(tag, "text")]
-        self._put = link.client.register_script(_PUT)
-        self._get = link.client.register_script(_GET)
-        self._rate = link.client.register_script(_RATE)
+class CompletionOutbox:
+    """Entries the local log took, waiting to be published where the other processes read them: bounded (once
+    full, the oldest waiting entry is dropped and counted), emptied in batches by `run`, kept while the store
+    refuses them. A store says how to write a batch (`write`) and how long to wait after a refusal."""
+
+    RETRY_S = 1.0
+
+    def __init__(self):
         self._outbox: deque[LoggedCompletion] = deque()
         self._waiting = asyncio.Event()
         self.dropped = 0  # entries the full outbox pushed out
-        self.set_bounds(ttl_s, max_completions, max_text_chars)
-
-    def set_bounds(self, ttl_s: float, max_completions: int, max_text_chars: int) -> None:
-        self.ttl_ms, self.max_completions, self.max_text_chars = round(ttl_s * 1000), max_completions, max_text_chars
 
     def publish(self, entry: LoggedCompletion) -> None:
         """Queue an entry the local log took (never waits; its id was checked there, CompletionLog.put)."""
@@ -124,22 +119,47 @@ class SharedCompletions:
         self._waiting.set()
 
     async def run(self) -> None:
-        """The writer: empty the outbox in batches while Redis answers; keep them while it does not."""
+        """The writer: empty the outbox in batches while the store takes them; keep them while it does not."""
         while True:
             await self._waiting.wait()
             self._waiting.clear()
             while self._outbox:
                 batch = [self._outbox[i] for i in range(min(BATCH, len(self._outbox)))]
-                args: list = [self.ttl_ms, self.max_completions, self.max_text_chars]
-                for entry in batch:
-                    args += [entry.id, encode(entry), len(entry.prompt or "")]
-                try:
-                    await self.link.call("publishing completions", self._put(keys=self._keys, args=args))
-                except StateUnavailable:
-                    await asyncio.sleep(1.0)  # the link logs the outage; try again
+                if not await self.write(batch):
+                    await asyncio.sleep(self.RETRY_S)
                     continue
                 for _ in batch:
                     self._outbox.popleft()
+
+    async def write(self, batch: list[LoggedCompletion]) -> bool:
+        """Publish `batch`; False if the store refused it (it is tried again)."""
+        raise NotImplementedError
+
+
+class SharedCompletions(CompletionOutbox):
+    def __init__(self, link: RedisLink, ttl_s: float, max_completions: int, max_text_chars: int):
+        super().__init__()
+        self.link = link
+        tag = "{completions}"
+        self._keys = [link.key(tag, "entries"), link.key(tag, "times"), link.key(tag, "sizes"),
+                      link.key(tag, "text")]
+        self._put = link.client.register_script(_PUT)
+        self._get = link.client.register_script(_GET)
+        self._rate = link.client.register_script(_RATE)
+        self.set_bounds(ttl_s, max_completions, max_text_chars)
+
+    def set_bounds(self, ttl_s: float, max_completions: int, max_text_chars: int) -> None:
+        self.ttl_ms, self.max_completions, self.max_text_chars = round(ttl_s * 1000), max_completions, max_text_chars
+
+    async def write(self, batch: list[LoggedCompletion]) -> bool:
+        args: list = [self.ttl_ms, self.max_completions, self.max_text_chars]
+        for entry in batch:
+            args += [entry.id, encode(entry), len(entry.prompt or "")]
+        try:
+            await self.link.call("publishing completions", self._put(keys=self._keys, args=args))
+        except StateUnavailable:
+            return False  # the link logs the outage
+        return True
 
     async def lookup(self, completion_id: str) -> LoggedCompletion | None:
         """The entry another process published (None: unknown, expired, ambiguous, or Redis away)."""
