@@ -75,9 +75,10 @@ def run_bench(config, prompts: int = 512) -> str:
                             batch_size=config.estimators.batch_size)
         embedder.embed(texts[:8])  # warm-up
         vectors = embedder.embed(texts)
-        top = est.knn.estimate(vectors).neighbours
+        estimate = est.knn.estimate(vectors)
+        top = estimate.neighbours
         if reference is None:
-            reference = top
+            reference, served = top, estimate  # the first truncation is the served one (256)
         agreement[trunc] = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(top, reference, strict=True)])
         for batch in BATCHES:
             t = _time_per_request(est, embedder, texts, batch, tiers)
@@ -92,6 +93,7 @@ def run_bench(config, prompts: int = 512) -> str:
                  f"{(time.perf_counter() - t0) / len(texts) * 1000:.2f} ms/prompt")
     lines += _cache_lines(config, onnx, texts)
     lines += _head_lines(est)
+    lines += _decision_lines(config, est, served)
     return "\n".join(lines)
 
 
@@ -120,6 +122,43 @@ def _head_lines(est: Estimators) -> list[str]:
             gap = max(gap, float(np.max(np.abs(forest.predict(x) - theirs) / np.abs(theirs))))
         per_call = {k: v / HEAD_CALLS / max(len(est.heads.boosters), 1) * 1e6 for k, v in spent.items()}
         lines.append(f"{n:>5} {per_call['numpy']:>7.0f} {per_call['xgboost']:>8.0f} {gap:>13.1e}")
+    return lines
+
+
+DECISION_BATCHES = (1, 4, 16)
+DECISION_REPEATS = 100
+
+
+def _decision_lines(config, est: Estimators, estimate) -> list[str]:
+    """What the decision itself costs once the batch is estimated: Algorithm 1 (assign_batch) over the
+    pool's instances on an idle view, the heads walked up to WALK_ROWS rows (as served) and by XGBoost alone."""
+    from gateway.core.pool_state import PoolState
+    from gateway.core.request import Estimates, RouteRequest
+    from gateway.estimators import latency
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    everyone = tuple(range(len(config.instances)))
+    lines = [f"the decision with the estimates given (ms per batch), {len(everyone)} candidates, "
+             f"mean of {DECISION_REPEATS}:", f"{'batch':>5} {'walked':>7} {'xgboost':>8}"]
+    served_rows = latency.WALK_ROWS
+    try:
+        for batch in DECISION_BATCHES:
+            requests = [RouteRequest(everyone, "", 100, None, (1 / 3, 1 / 3, 1 / 3)) for _ in range(batch)]
+            rows = np.arange(batch) % len(estimate.quality)
+            columns = [est.knn.models.index(i.model) for i in config.instances]
+            given = Estimates(estimate.quality[rows][:, columns], estimate.length[rows][:, columns])
+            timed = {}
+            for name, walk_rows in (("walked", served_rows), ("xgboost", 0)):
+                latency.WALK_ROWS = walk_rows
+                rng = np.random.default_rng(0)
+                t0 = time.perf_counter()
+                for _ in range(DECISION_REPEATS):
+                    view = PoolState().snapshot(config.instances, now=0.0, stale_after_s=3.0)
+                    assign_batch(requests, given, view, RouteBalanceOptions(), est.heads.tpot, rng)
+                timed[name] = (time.perf_counter() - t0) / DECISION_REPEATS * 1000
+            lines.append(f"{batch:>5} {timed['walked']:>7.2f} {timed['xgboost']:>8.2f}")
+    finally:
+        latency.WALK_ROWS = served_rows
     return lines
 
 
