@@ -6,7 +6,9 @@ routers against, so that the routers' own cost is what shows.
 
 POST /v1/chat/completions and /v1/completions answer `--tokens` tokens ("ok "), streamed (one chunk a
 token, the usage chunk when asked, [DONE]) or not, with usage; GET /health, /v1/models and a minimal
-vLLM /metrics page (every router under test probes one or the other). Loopback only.
+vLLM /metrics page (every router under test probes one or the other). POST /v1/traces takes OTLP/HTTP
+exports and answers success (a collector that costs the gateway nothing, for routed_efficiency.py --tracing).
+Loopback only.
 """
 
 from __future__ import annotations
@@ -68,7 +70,12 @@ def build(tokens: int) -> web.Application:
                 f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
         return web.Response(text=page, content_type="text/plain")
 
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")  # an empty export response: success
+
     app = web.Application()
+    app.router.add_post("/v1/traces", traces)
     app.router.add_post("/v1/chat/completions", complete)
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/v1/models", models)

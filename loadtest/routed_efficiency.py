@@ -7,6 +7,7 @@
     python loadtest/routed_efficiency.py --prompts 300 --sets synthetic
     python loadtest/routed_efficiency.py --workers 1,2 --threads 1   # two estimating workers of one thread each
     python loadtest/routed_efficiency.py --prefix-cache off          # without the prefix index (A/B its cost)
+    python loadtest/routed_efficiency.py --tracing                   # [tracing] on, exported to the backends
 
 Per prompt set (held-out synthetic prompts; the real-label prompts of ../shared/data/real-labels/), never
 pooled, on the same prompts and the same cores:
@@ -84,10 +85,16 @@ def prompt_sets(names: list[str], n: int) -> dict[str, list[str]]:
 
 
 def gateway_config(work: Path, port: int, backends: list[int], redis_url: str | None,
-                   threads: int | None = None, prefix_cache: str | None = None) -> Path:
+                   threads: int | None = None, prefix_cache: str | None = None, tracing: bool = False) -> Path:
     text = move_pool(default_config_path().read_text(), backends)
     if prefix_cache is not None:
         text = text.replace('prefix_cache = "approximate"', f'prefix_cache = "{prefix_cache}"', 1)
+    if tracing:  # every span exported over OTLP/HTTP, to the instant backend's /v1/traces (it answers at once)
+        text = text.replace('enabled = false\n# The collector', 'enabled = true\n# The collector', 1).replace(
+            'otlp_endpoint = "http://127.0.0.1:4318/v1/traces"',
+            f'otlp_endpoint = "http://127.0.0.1:{backends[0]}/v1/traces"', 1)
+        if f"127.0.0.1:{backends[0]}/v1/traces" not in text or "enabled = true\n# The collector" not in text:
+            sys.exit("--tracing: the default config's [tracing] table is not as this script expects")
     text = re.sub(r"(?m)^port = 8000$", f"port = {port}", text, count=1)
     text = option_config(text, str(ROOT / "models"),
                          {"embed_cache_entries": 0, **({"threads": threads} if threads is not None else {})})
@@ -266,7 +273,7 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
             redis, redis_url = start_redis(binary, redis_port, work)
             procs.append(redis)
             time.sleep(0.5)
-        config = gateway_config(work, port, backends, redis_url, args.threads, args.prefix_cache)
+        config = gateway_config(work, port, backends, redis_url, args.threads, args.prefix_cache, args.tracing)
         gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(config), "--workers", str(workers)], cwd=ROOT)
         procs.append(gateway)
@@ -345,6 +352,9 @@ def main() -> None:
     parser.add_argument("--prefix-cache", choices=("approximate", "events", "off"),
                         help="[scheduler] prefix_cache of the gateway (default: the config's, approximate): off "
                              "measures the routed path without hashing prompts or reading the prefix index")
+    parser.add_argument("--tracing", action="store_true",
+                        help="[tracing] enabled, every request's spans exported over OTLP/HTTP to a loopback "
+                             "collector that answers at once (needs the tracing extra)")
     parser.add_argument("--profile", action="store_true",
                         help="sample the gateway with py-spy during each routed run and print where its CPU goes")
     args = parser.parse_args()
@@ -366,6 +376,7 @@ def main() -> None:
         suffix += f"-r{args.rate:g}" if args.rate else ""
         suffix += f"-t{args.threads}" if args.threads else ""
         suffix += f"-prefix-{args.prefix_cache}" if args.prefix_cache else ""
+        suffix += "-tracing" if args.tracing else ""
         out = ROOT / "loadtest" / "results" / f"routed_efficiency{suffix}.json"
         out.write_text(json.dumps({"cores": os.cpu_count(), "concurrency": None if args.rate else args.concurrency,
                                    "rate": args.rate, "prompts": args.prompts,

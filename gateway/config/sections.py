@@ -41,6 +41,7 @@ __all__ = [
     "ServerConfig",
     "StateConfig",
     "TelemetryConfig",
+    "TracingConfig",
     "UpstreamConfig",
     "Weights",
     "parse_config",
@@ -453,6 +454,28 @@ class TelemetryConfig(Section):
 
 
 @section
+class TracingConfig(Section):
+    """OpenTelemetry traces of the routing decisions, exported over OTLP/HTTP (docs/operations/tracing.md).
+    Off by default, and then nothing of OpenTelemetry is imported. Read at start: a change takes a restart."""
+
+    enabled: bool = False
+    otlp_endpoint: str = option("http://127.0.0.1:4318/v1/traces", nonempty=True)  # the collector's traces URL
+    service_name: str = option("routebalance-gateway", nonempty=True)
+    sample_ratio: float = option(1.0, ge=0, le=1)  # of the traces this gateway starts (a client's choice is kept)
+    export_timeout_s: float = option(5.0, gt=0)  # each export POST
+    export_interval_s: float = option(1.0, gt=0)  # how long finished spans wait to be sent together
+    max_queue_spans: int = option(4096, ge=1)  # finished spans waiting for export; beyond it they are dropped
+    export_batch_spans: int = option(512, ge=1)  # spans per export POST
+
+    def _validate(self) -> None:
+        parts = urlsplit(self.otlp_endpoint)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"must be an http:// or https:// URL, got {self.otlp_endpoint!r}", "otlp_endpoint")
+        if self.export_batch_spans > self.max_queue_spans:
+            raise ConfigError(f"must be <= max_queue_spans ({self.max_queue_spans})", "export_batch_spans")
+
+
+@section
 class EstimatorsConfig(Section):
     # Where `routebalance train` writes the index, labels and heads; relative
     # paths are taken from the working directory.
@@ -624,6 +647,7 @@ class Config(Section):
     slo: SloConfig = option(factory=SloConfig)
     batching: BatchingConfig = BatchingConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    tracing: TracingConfig = TracingConfig()
     estimators: EstimatorsConfig = EstimatorsConfig()
     learning: LearningConfig = option(factory=LearningConfig)
     judge: JudgeConfig = JudgeConfig()

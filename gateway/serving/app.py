@@ -13,6 +13,7 @@ import logging
 import ssl
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -21,7 +22,7 @@ from aiohttp import web
 from gateway.api.errors import ApiError
 from gateway.api.parse import CompletionRequest, parse_completion
 from gateway.api.responses import ResponsesRequest, parse_responses
-from gateway.config.sections import ApiKey, Config
+from gateway.config.sections import ApiKey, Config, TracingConfig
 from gateway.config.store import ConfigStore
 from gateway.config.watch import watch_file
 from gateway.core.pool_state import PoolState
@@ -55,6 +56,9 @@ from gateway.tenancy.spend.request import KeyLedger, RequestSpend
 from gateway.tenancy.spend.sqlite import MemorySpendStore, SpendLedger, SpendStoreError, SqliteSpendStore
 from gateway.tokens import TokenCounter
 
+if TYPE_CHECKING:
+    from gateway.serving.tracing import Tracing
+
 log = logging.getLogger("routebalance.gateway")
 
 
@@ -69,6 +73,16 @@ def resolve_weights(cfg: Config, routing, key: ApiKey | None = None) -> tuple[fl
 def resolve_policy(cfg: Config, routing, key: ApiKey | None = None) -> str:
     """The request's own policy, else its preset's (`[scheduler.preset_policies]`), else the configured one."""
     return routing.policy or cfg.scheduler.policy_for(request_preset(cfg, routing, key))
+
+
+def open_tracing(cfg: TracingConfig) -> Tracing | None:
+    """The tracer when `[tracing] enabled`, else None: OpenTelemetry is imported only then (ConfigError, naming
+    the extra to install, when it is missing)."""
+    if not cfg.enabled:
+        return None
+    from gateway.serving.tracing import Tracing
+
+    return Tracing(cfg)
 
 
 def hold_ttl_s(cfg: Config) -> float:
@@ -115,6 +129,7 @@ class Gateway:
         self.host = host or store.current.server.host  # where it listens: anonymous access depends on it
         self.pool_state = PoolState()
         self.metrics = GatewayMetrics()
+        self.tracing = open_tracing(store.current.tracing)  # read at start: a reload does not change it
         self.scheduler = Scheduler(store, self.pool_state, self.metrics, estimators, worker)
         self.token_counter = TokenCounter()
         self.dispatcher = CallDispatcher(self.scheduler, self.metrics, self.token_counter, lambda: self.session)
@@ -123,7 +138,7 @@ class Gateway:
         self.learner = TrafficLearner(store, self.metrics, worker)
         self.feedback_handler = FeedbackHandler(self.learner, self.access, self.metrics)
         self.embeddings_handler = EmbeddingsHandler(self.access, self.metrics, self.token_counter,
-                                                    lambda: self.session, lambda: self.spend)
+                                                    lambda: self.session, lambda: self.spend, self.tracing)
         self.refresher = EstimatorRefresh(self.scheduler, self.learner, store, self.metrics, worker)
         self.shadow = ShadowAnswers(store, self.learner, self.scheduler, self.metrics, lambda: self.session, worker)
         self.kv_events = KvEventReader(store, self.pool_state,
@@ -180,6 +195,9 @@ class Gateway:
         await _within("writing the labels", _CLOSE_FLUSH_S + 0.5, self.learner.close(_CLOSE_FLUSH_S))
         if self.link is not None:
             await _within("closing the redis link", _CLOSE_LINK_S, self.link.close())
+        if self.tracing is not None:
+            await _within("exporting the traces", self.store.current.tracing.export_timeout_s + 0.5,
+                          asyncio.get_running_loop().run_in_executor(None, self.tracing.close))
 
     def _open_spend(self, cfg: Config) -> None:
         if self.spend is None and cfg.auth.keys:
@@ -238,6 +256,7 @@ class Gateway:
         key: ApiKey | None = None
         call: DecidedCall | None = None  # a dispatched call: what its answer teaches is learned at the end
         policy = cfg.scheduler.policy
+        trace = self.tracing.request(request.headers, route, request.path) if self.tracing is not None else None
         self.metrics.in_flight.inc()
         try:
             key = self.access.authorize(request, cfg, self.host)
@@ -282,15 +301,20 @@ class Gateway:
                 prefix=prefix,
                 session=req.body.get("user") if isinstance(req.body.get("user"), str) else None,
             )
+            if trace is not None:
+                preset = None if req.routing.weights is not None else request_preset(cfg, req.routing, key)
+                trace.routed(cfg, routed, req.model, preset, req.stream)
             if req.routing.mode == "progressive":
-                served = await self.progressive.serve(request, cfg, req, spend, routed)
+                served = await self.progressive.serve(request, cfg, req, spend, routed, trace)
                 if not isinstance(served, FellBack):
                     attempt.instance, attempt.status = PROGRESSIVE, served.status
                     self.metrics.e2e.labels(route).observe(loop.time() - start)
                     return served
                 attempt.headers = served.headers()
                 routed = dataclasses.replace(routed, budget_usd=spend.budget_left())  # a failed sketch was paid for
-            ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg)
+            ticket = await self.scheduler.decide(routed, req.model, req.stream, cfg, trace)
+            if trace is not None:
+                trace.decided(ticket)
             refused = ticket.decision.refused
             if refused:
                 self.scheduler.complete(ticket, Completion(False, None))
@@ -298,7 +322,7 @@ class Gateway:
                 if refused.code == "insufficient_budget" and spend.limited_by_key():
                     raise spend.refusal()
                 raise refusal_error(refused)
-            call = DecidedCall(ticket, req, spend, route, request, slo, attempt)
+            call = DecidedCall(ticket, req, spend, route, request, slo, attempt, trace)
             resp = await self.dispatcher.serve(call)
             result = attempt.result
             attempt.status = result.failed_status or resp.status
@@ -310,6 +334,8 @@ class Gateway:
             return resp
         except ApiError as e:
             attempt.status = e.status
+            if trace is not None:
+                trace.failed(e)
             raise
         except asyncio.CancelledError:
             # The client went away: before its answer was whole (499), or once it was (an SDK hangs up
@@ -326,6 +352,8 @@ class Gateway:
                 self._count_slo(slo, policy, attempt)
             if call is not None:
                 self._learn(cfg, key, request, call, attempt)
+            if trace is not None:
+                trace.end(attempt.status, attempt.instance, attempt.result)
 
     def _learn(self, cfg: Config, key: ApiKey | None, request: web.Request, call: DecidedCall,
                attempt: Attempt) -> None:

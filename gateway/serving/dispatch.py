@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +37,7 @@ from gateway.serving.relay import (
     UpstreamFailed,
     asks_continuous_usage,
     client_error,
+    client_trace,
     open_upstream,
     relay_full,
     relay_stream,
@@ -47,6 +49,9 @@ from gateway.serving.responses_relay import ResponsesFramer, relay_response_full
 from gateway.tenancy.slo_check import SloCheck
 from gateway.tenancy.spend.request import RequestSpend, worst_case_usd
 from gateway.tokens import TokenCounter
+
+if TYPE_CHECKING:
+    from gateway.serving.tracing import RequestTrace
 
 log = logging.getLogger("routebalance.dispatch")
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": RESPONSES_ROUTE}
@@ -75,6 +80,7 @@ class DecidedCall:
     client: web.Request | None = None  # the client a stream goes to; None: the answer comes back whole
     slo: SloCheck | None = None
     attempt: Attempt = field(default_factory=Attempt)
+    trace: RequestTrace | None = None  # the client request's span, when the gateway traces (serving/tracing.py)
 
     @property
     def cfg(self) -> Config:
@@ -166,6 +172,7 @@ class CallDispatcher:
         assert decision is not None
         failure: UpstreamFailed | None = None
         attempts = failed = 0  # failed: attempts that reached an instance, bounded by `retries`
+        passed = client_trace(call.client.headers) if call.trace is None and call.client is not None else None
         for i in decision.ranked:
             if failed > up.retries:
                 break
@@ -188,6 +195,7 @@ class CallDispatcher:
             attempts += 1
             attempt.instance, attempt.index = instance.name, plan.instance
             result = attempt.result = RelayResult()
+            traced = call.trace.attempt(instance, attempts, plan.max_tokens) if call.trace is not None else None
             answered = False  # the instance has sent (part of) an answer: it is healthy
 
             def on_progress(tokens: int, plan=plan) -> None:
@@ -209,7 +217,10 @@ class CallDispatcher:
                     payload = upstream_payload(req, instance, plan.max_tokens, continuous_usage=budget is not None,
                                                cache_salt=salt)
                 upstream = await open_upstream(self._session(), instance, ROUTES[call.route], payload, timeout,
-                                               req.stream, names_stored=names_stored)
+                                               req.stream, names_stored=names_stored,
+                                               trace_headers=traced.headers if traced is not None else passed)
+                if traced is not None:
+                    traced.answered(upstream.status)
                 if upstream.status >= 400:  # the instance is well; the request is not
                     sched.attempt_succeeded(ticket, plan)
                     cost = 0.0
@@ -238,6 +249,8 @@ class CallDispatcher:
             except UpstreamFailed as e:
                 failure = e
                 log.warning("attempt %d on %s failed: %s", attempts, instance.name, e)
+                if traced is not None:
+                    traced.failed(e)
                 # No connection in time while the gateway does not fill its pool: it does not answer connects.
                 busy = sched.in_flight(instance.name) > up.max_connections_per_instance
                 if e.blame or (e.no_connection and not busy):
@@ -254,6 +267,8 @@ class CallDispatcher:
                 elif cost is None:  # the client left (an SDK hangs up on [DONE], cancelling this handler)
                     cost = result.cost_when_left(worst)
                 spend.pay_held(held, cost)
+                if traced is not None:
+                    traced.end(result, attempt.evicted)
         if failure is not None:
             raise ApiError(failure.status, str(failure))
         if any(sched.routable(cfg.instances[i].name) for i in decision.ranked):

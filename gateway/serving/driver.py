@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.api.errors import ApiError
 from gateway.config.sections import Config, Instance
@@ -30,6 +31,9 @@ from gateway.serving.explore import Explorer
 from gateway.serving.metrics import GatewayMetrics
 from gateway.serving.workers import SINGLE, Worker
 
+if TYPE_CHECKING:
+    from gateway.serving.tracing import RequestTrace
+
 log = logging.getLogger("routebalance.scheduler")
 
 
@@ -37,6 +41,8 @@ log = logging.getLogger("routebalance.scheduler")
 class BatchTimings:
     estimate_s: float = 0.0
     score_s: float = 0.0
+    estimated_at_ns: int = 0  # wall clock (ns since the epoch) when the estimate began, for its trace span
+    estimated: Sequence[Ticket] = ()  # the tickets the estimate was for
 
 
 def refusal_error(refused: Refusal) -> ApiError:
@@ -71,6 +77,7 @@ class Scheduler:
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self._aborts: dict[Ticket, Callable[[], bool]] = {}  # dispatched tickets -> abort their attempt
+        self._traced: dict[Ticket, RequestTrace] = {}  # traced tickets waiting for their decision
         store.subscribe(self._on_config)
 
     def _on_config(self, cfg: Config) -> None:
@@ -85,9 +92,11 @@ class Scheduler:
             await asyncio.gather(self.task, return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def decide(self, request: RouteRequest, model: str, streaming: bool, config: Config) -> Ticket:
+    async def decide(self, request: RouteRequest, model: str, streaming: bool, config: Config,
+                     trace: RequestTrace | None = None) -> Ticket:
         """Queue the request for the next batch and wait for its decision (429 if the queue is full,
         503 if no decision came within `batching.max_wait_s`, the time a held request waits included).
+        A traced request's span gets its batch's estimate as a child.
 
         The caller must hand the returned ticket to `complete` when the request ends,
         refused or served."""
@@ -99,7 +108,14 @@ class Scheduler:
             raise ApiError(429, f"the gateway has {waiting} requests waiting to be scheduled; "
                                 "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.wakeup.set()
-        await self._released(ticket, config, "")
+        if trace is None:
+            await self._released(ticket, config, "")
+            return ticket
+        self._traced[ticket] = trace
+        try:
+            await self._released(ticket, config, "")
+        finally:
+            del self._traced[ticket]
         return ticket
 
     async def _released(self, ticket: Ticket, config: Config, again: str) -> None:
@@ -271,6 +287,8 @@ class Scheduler:
         if self.estimators is not None:
             m.count_embed_cache(*self.estimators.embedder.cache_counts())
         m.score_seconds.observe(timings.score_s)
+        if self._traced and timings.estimated:
+            self._trace_estimate(timings, len(batch))
         now = loop.time()
         # A client may have left while its batch was scored: its request is not booked.
         here = [(t, d) for t, d in zip(batch, decided, strict=True) if not t.handle.done()]
@@ -287,6 +305,14 @@ class Scheduler:
         for ticket in self.scheduling_loop.settle([t for t, _ in here], [d for _, d in here], now):
             _wake(ticket)
 
+    def _trace_estimate(self, timings: BatchTimings, batch_size: int) -> None:
+        """The batch's estimate, in the trace of each traced request it was for."""
+        traces = [trace for trace in map(self._traced.get, timings.estimated) if trace is not None]
+        if traces:
+            end_ns = timings.estimated_at_ns + int(timings.estimate_s * 1e9)
+            traces[0].tracing.batch_estimated(traces, timings.estimated_at_ns, end_ns, batch_size,
+                                              timings.estimated[0].estimated_by)
+
     def decide_now(self, cfg: Config, batch: list[Ticket], view: PoolView,
                    scheduling: SchedulingLoop | None = None) -> tuple[list[Decided], BatchTimings]:
         """The scheduling loop's decisions for a batch, timed (in the worker thread)."""
@@ -294,6 +320,7 @@ class Scheduler:
         estimators = self.estimators  # one version estimates the whole batch, whatever a refresh swaps meanwhile
 
         def estimate(tickets: list[Ticket], blind: list[bool]):
+            timings.estimated_at_ns, timings.estimated = time.time_ns(), tickets
             start = time.perf_counter()
             est = estimators.for_instances([t.request.prompt_text for t in tickets], cfg.instances, blind)
             unlabelled = estimators.unlabelled(cfg.instances)

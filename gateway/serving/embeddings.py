@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -28,6 +29,7 @@ from gateway.serving.relay import (
     Costing,
     UpstreamFailed,
     client_error,
+    client_trace,
     open_upstream,
     read_answer,
     route_headers,
@@ -37,6 +39,9 @@ from gateway.serving.relay import (
 from gateway.tenancy.access import Access
 from gateway.tenancy.spend.request import KeyLedger, RequestSpend
 from gateway.tokens import TokenCounter
+
+if TYPE_CHECKING:
+    from gateway.serving.tracing import RequestTrace, Tracing
 
 ROUTE = "/v1/embeddings"
 # Tokens an embedding model adds to each input ([CLS] and [SEP] of a BERT-style tokenizer), reserved on top of
@@ -59,8 +64,10 @@ def embedders_for(cfg: Config, model: str) -> tuple[Instance, ...]:
 
 class EmbeddingsHandler:
     def __init__(self, access: Access, metrics: GatewayMetrics, token_counter: TokenCounter,
-                 session: Callable[[], aiohttp.ClientSession | None], ledger: Callable[[], KeyLedger | None]):
+                 session: Callable[[], aiohttp.ClientSession | None], ledger: Callable[[], KeyLedger | None],
+                 tracing: Tracing | None = None):
         self.access = access
+        self.tracing = tracing  # the gateway's tracer, when it traces (serving/tracing.py)
         self.metrics = metrics
         self.token_counter = token_counter
         self._session = session  # the gateway's pooled client session
@@ -72,6 +79,7 @@ class EmbeddingsHandler:
         start = loop.time()
         status, instance = 500, "none"
         spend: RequestSpend | None = None
+        trace = self.tracing.request(request.headers, "embeddings", request.path) if self.tracing is not None else None
         self.metrics.in_flight.inc()
         try:
             key = self.access.authorize(request, cfg, host)
@@ -82,12 +90,15 @@ class EmbeddingsHandler:
             counts = await self._count(req, cfg, len(raw))
             worst_tokens = self._worst_tokens(req, counts, min(i.max_model_len for i in instances))
             spend = await self._spend(key)
-            resp = await self._attempts(cfg, req, instances, sum(counts), worst_tokens, spend)
+            passed = client_trace(request.headers) if trace is None else None
+            resp = await self._attempts(cfg, req, instances, sum(counts), worst_tokens, spend, trace, passed)
             status, instance = resp.status, resp.headers["X-Route-Instance"]
             self.metrics.e2e.labels("embeddings").observe(loop.time() - start)
             return resp
         except ApiError as e:
             status = e.status
+            if trace is not None:
+                trace.failed(e)
             raise
         except asyncio.CancelledError:
             status = 499
@@ -97,6 +108,8 @@ class EmbeddingsHandler:
             self.metrics.requests.labels("embeddings", instance, str(status)).inc()
             if spend is not None and spend.key is not None and spend.paid_usd:
                 self.metrics.key_spend.labels(spend.key.name).inc(spend.paid_usd)
+            if trace is not None:
+                trace.end(status, instance, None)
 
     async def _count(self, req: EmbeddingsRequest, cfg: Config, body_bytes: int) -> list[int]:
         """Each input's tokens (token ids count themselves); a large body is counted in a worker thread."""
@@ -130,14 +143,16 @@ class EmbeddingsHandler:
         return spend
 
     async def _attempts(self, cfg: Config, req: EmbeddingsRequest, instances: tuple[Instance, ...],
-                        counted: int, worst_tokens: int, spend: RequestSpend) -> web.Response:
+                        counted: int, worst_tokens: int, spend: RequestSpend,
+                        trace: RequestTrace | None, passed: dict[str, str] | None) -> web.Response:
         """The least loaded instance first; on a connection failure or a 5xx the next, up to [upstream].retries
-        failed attempts. Each attempt holds its worst case against the key and is paid for once."""
+        failed attempts. Each attempt holds its worst case against the key and is paid for once. `passed`: the
+        client's trace context, sent on when the gateway does not trace."""
         loop = asyncio.get_running_loop()
         up = cfg.upstream
         timeout = upstream_timeout(up, stream=False)
         failure: UpstreamFailed | None = None
-        failed = 0
+        failed = attempts = 0
         for inst in self.pool.order(instances, loop.time()):
             if failed > up.retries:
                 break
@@ -146,11 +161,16 @@ class EmbeddingsHandler:
             costing = Costing.for_instance(inst, counted, max_answer_bytes=up.max_response_bytes)
             worst = costing.cost(worst_tokens, 0)
             held = await self._hold(spend, worst)
+            attempts += 1
+            traced = trace.attempt(inst, attempts, None) if trace is not None else None
             cost: float | None = None
             try:
                 with self.pool.running(inst.name):
                     payload = orjson.dumps({**req.body, "model": inst.model})
-                    upstream = await open_upstream(session, inst, ROUTE, payload, timeout)
+                    upstream = await open_upstream(session, inst, ROUTE, payload, timeout,
+                                                   trace_headers=traced.headers if traced is not None else passed)
+                    if traced is not None:
+                        traced.answered(upstream.status)
                     if upstream.status >= 400:  # the instance is well; the request is not
                         self.pool.answered(inst.name)
                         cost = 0.0
@@ -163,6 +183,8 @@ class EmbeddingsHandler:
                 return web.Response(body=orjson.dumps(data), content_type="application/json", headers=headers)
             except UpstreamFailed as e:
                 failure = e
+                if traced is not None:
+                    traced.failed(e)
                 if e.blame or e.unreachable:
                     self.pool.failed(inst.name, loop.time() + cfg.health.cooldown_s)
                 cost = e.cost(costing, counted, worst)
@@ -173,6 +195,8 @@ class EmbeddingsHandler:
                     break
             finally:
                 spend.pay_held(held, worst if cost is None else cost)  # None: the client left mid-call
+                if traced is not None:
+                    traced.end()
         assert failure is not None  # every way out of the loop but an answer or a refusal failed an attempt
         raise ApiError(failure.status, str(failure))
 

@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -84,6 +85,9 @@ from gateway.serving.relay import STREAM_HEADERS
 from gateway.tenancy.spend.request import RequestSpend
 from gateway.tokens import TokenCounter
 
+if TYPE_CHECKING:
+    from gateway.serving.tracing import RequestTrace
+
 log = logging.getLogger("routebalance.progressive")
 PROGRESSIVE = "progressive"  # the counter's label for a request served progressively
 # The request's fields every call carries (vLLM's sampling parameters); its stop strings, n, logprobs,
@@ -98,6 +102,7 @@ class Calls:
 
     usages: list[Usage] = field(default_factory=list)
     paid_before: float = 0.0  # what the request had paid when its first call went
+    trace: RequestTrace | None = None  # the request's span, when the gateway traces: each call's attempts go in it
 
     def total(self, spend: RequestSpend) -> Usage:
         """Every call's tokens, and what they cost together (every attempt, failed ones too: what the key
@@ -146,8 +151,8 @@ class Progressive:
 
     # ---- one call --------------------------------------------------------------------------------------
     async def _decide(self, cfg: Config, req: CompletionRequest, routed: RouteRequest, spend: RequestSpend,
-                      model: str, messages: list[dict], max_tokens: int, logprobs: bool,
-                      sampling: dict) -> tuple[Ticket, CompletionRequest]:
+                      model: str, messages: list[dict], max_tokens: int, logprobs: bool, sampling: dict,
+                      trace: RequestTrace | None) -> tuple[Ticket, CompletionRequest]:
         """A call to `model` decided by the request's policy, in the next batch. The estimators see the
         request's question (the embedder's cache answers it after the first call)."""
         body: dict = {**sampling, "model": model, "messages": messages, "max_tokens": max_tokens, "stream": False}
@@ -159,7 +164,7 @@ class Progressive:
             routed, candidates=candidates_for(cfg, model), input_tokens=self.token_counter.count_chat(messages),
             max_tokens=max_tokens, budget_usd=spend.budget_left(), n=1, slo_s=None, tpot_slo_s=None,
             slo_class="none", to_max_tokens=False)
-        return await self.scheduler.decide(routed, model, False, cfg), call
+        return await self.scheduler.decide(routed, model, False, cfg, trace), call
 
     async def _run(self, ticket: Ticket, call: CompletionRequest, spend: RequestSpend,
                    calls: Calls) -> tuple[dict | None, DecidedCall | None]:
@@ -170,7 +175,7 @@ class Progressive:
             self.scheduler.complete(ticket, Completion(False, None))
             log.warning("progressive call to %s refused: %s", ticket.model, refused.message)
             return None, None
-        done = DecidedCall(ticket, call, spend)
+        done = DecidedCall(ticket, call, spend, trace=calls.trace)
         try:
             resp = await self.dispatcher.serve(done)
         except ApiError as e:
@@ -187,9 +192,10 @@ class Progressive:
 
     # ---- the request -----------------------------------------------------------------------------------
     async def serve(self, request: web.Request, cfg: Config, req: CompletionRequest, spend: RequestSpend,
-                    routed: RouteRequest) -> web.StreamResponse | FellBack:
+                    routed: RouteRequest, trace: RequestTrace | None = None) -> web.StreamResponse | FellBack:
         """The progressive answer, or why the request is to be routed normally (counted). `routed` is the
-        request as normal routing would schedule it: its calls take its weights and policy."""
+        request as normal routing would schedule it: its calls take its weights and policy. A traced request's
+        span gets every call's estimate and attempts as children."""
         limits, question = cfg.progressive.limits(), req.prompt_text
         history = _history(req)
         if history is None:
@@ -212,10 +218,10 @@ class Progressive:
                   + limits.sketch_max_tokens + 3 * limits.max_points}
         if candidates_within(large, small, tokens, prices, spend.budget_left(), limits) == 0:
             return self.fall_back("budget")
-        calls = Calls(paid_before=spend.paid_usd)
+        calls = Calls(paid_before=spend.paid_usd, trace=trace)
         try:
             ticket, call = await self._decide(cfg, req, routed, spend, large, sketch_messages,
-                                              limits.sketch_max_tokens, False, _sampling(req, 0))
+                                              limits.sketch_max_tokens, False, _sampling(req, 0), trace)
         except ApiError:  # the queue is full, or no decision in time: normal routing decides
             return self.fall_back("sketch_failed")
         # The sketch's decision carries the estimators' answer length on the largest tier (its batch's
@@ -249,7 +255,7 @@ class Progressive:
                 model = small[k % len(small)]
                 try:
                     ticket, call = await self._decide(cfg, req, routed, spend, model, prompts[index],
-                                                      limits.expansion_max_tokens, True, _sampling(req, k))
+                                                      limits.expansion_max_tokens, True, _sampling(req, k), trace)
                     data, done = await self._run(ticket, call, spend, calls)
                 except ApiError:  # not scheduled in time, or the key cannot cover this candidate: dropped
                     return None

@@ -226,17 +226,31 @@ def asks_continuous_usage(req: CompletionRequest) -> bool:
     return req.include_usage and isinstance(options, dict) and options.get("continuous_usage_stats") is True
 
 
+TRACE_CONTEXT = ("traceparent", "tracestate")  # the W3C trace context headers
+
+
+def client_trace(headers) -> dict[str, str] | None:
+    """The client's W3C trace context, passed on untouched when the gateway does not trace, so the instance's
+    spans still join the client's trace (None: the client sent none)."""
+    found = {name: headers[name] for name in TRACE_CONTEXT if name in headers}
+    return found or None
+
+
 async def open_upstream(session: aiohttp.ClientSession, instance, path: str, payload: bytes,
                         timeout: aiohttp.ClientTimeout, stream: bool = False,
-                        names_stored: bool = False) -> aiohttp.ClientResponse:
+                        names_stored: bool = False, trace_headers: dict[str, str] | None = None
+                        ) -> aiohttp.ClientResponse:
     """POST to the instance. Raises UpstreamFailed on connect errors, timeouts, 5xx answers and a
     404 (the instance does not serve the model it is configured with, or is not an OpenAI server),
     unless the request `names_stored` a response (previous_response_id): its 404 is the client's.
     A non-streamed answer sends its head only when it is complete, so its timeout may be a long
-    answer rather than a sick instance: that is not retried and not held against the instance."""
+    answer rather than a sick instance: that is not retried and not held against the instance.
+    `trace_headers`: a traced attempt's `traceparent` (gateway/serving/tracing.py), or the client's own."""
     headers = UPSTREAM_HEADERS
     if instance.api_key:
         headers = {**UPSTREAM_HEADERS, "Authorization": f"Bearer {instance.api_key}"}
+    if trace_headers:
+        headers = {**headers, **trace_headers}
     try:
         resp = await session.post(instance.url + path, data=payload, timeout=timeout, headers=headers)
     except aiohttp.ConnectionTimeoutError:  # no connection in time: none free in its pool (busy), or none made
