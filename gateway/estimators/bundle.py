@@ -49,6 +49,7 @@ class Estimators:
         self.models_dir = models_dir  # where fitted extras (ELDR's centroids) are kept; None: in memory only
         self._warned: list[str] = []
         self._centroids: dict[tuple[int, int, int], np.ndarray] = {}
+        self._label_means: tuple[np.ndarray, np.ndarray] | None = None  # `priors`' source, taken on first use
 
     @classmethod
     def load(cls, config, models_dir: Path | None = None) -> Estimators:
@@ -166,7 +167,10 @@ class Estimators:
         quality and mean answer length over the labels (a model they do not cover: the lowest quality and the
         mean length of those they do, as in `for_embedded`)."""
         column = {m: j for j, m in enumerate(self.knn.models)}
-        mean_q, mean_len = self.knn.prior.mean.astype(np.float64), self.knn.length.mean(axis=0).astype(np.float64)
+        if self._label_means is None:  # the labels of a version never change: their means are taken once
+            self._label_means = (self.knn.prior.mean.astype(np.float64),
+                                 self.knn.length.mean(axis=0).astype(np.float64))
+        mean_q, mean_len = self._label_means
         quality = np.array([mean_q[column[i.model]] if i.model in column else mean_q.min() for i in instances])
         length = np.array([mean_len[column[i.model]] if i.model in column else mean_len.mean() for i in instances])
         return quality, length
