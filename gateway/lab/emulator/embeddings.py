@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from gateway.lab.emulator.replies import error
 from gateway.tokens import TokenCounter
 
 DIMENSIONS = 384  # bge-small-en-v1.5's and e5-small-v2's
@@ -26,11 +27,6 @@ MAX_INPUTS = 2048  # vLLM takes more; the emulator shares its cores with the gat
 BASE_S = 0.002  # time of an answer besides its tokens
 PER_TOKEN_S = 20e-6  # time per input token
 MAX_BODY_BYTES = 8 * 1024 * 1024
-
-
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
 def vector(item: str | list[int], dimensions: int = DIMENSIONS) -> np.ndarray:
@@ -61,7 +57,7 @@ class EmbedServer:
         """As vLLM answers a generating endpoint of a pooling model."""
         api = {"/v1/chat/completions": "Chat Completions", "/v1/completions": "Completions",
                "/v1/responses": "Responses"}[request.path]
-        return _error(400, f"The model does not support {api} API")
+        return error(400, f"The model does not support {api} API")
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.cfg.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
@@ -75,25 +71,25 @@ class EmbedServer:
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
-            return _error(400, "the body is not valid JSON")
+            return error(400, "the body is not valid JSON")
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            return error(400, "the body must be a JSON object")
         if body.get("model") != self.cfg.model:
-            return _error(404, f"The model `{body.get('model')}` does not exist.", "model")
+            return error(404, f"The model `{body.get('model')}` does not exist.", param="model")
         inputs = _inputs(body.get("input"))
         if inputs is None:
-            return _error(400, "input must be a string, a list of strings, or token ids", "input")
+            return error(400, "input must be a string, a list of strings, or token ids", param="input")
         if len(inputs) > MAX_INPUTS:
-            return _error(400, f"at most {MAX_INPUTS} inputs per request", "input")
+            return error(400, f"at most {MAX_INPUTS} inputs per request", param="input")
         if body.get("dimensions") not in (None, DIMENSIONS):
-            return _error(400, f'Model "{self.cfg.model}" does not support matryoshka representation, changing '
-                               f"output dimensions will lead to poor results.", "dimensions")
+            return error(400, f'Model "{self.cfg.model}" does not support matryoshka representation, changing '
+                              f"output dimensions will lead to poor results.", param="dimensions")
         counts = [len(x) if isinstance(x, list) else self.tokens.count(x) for x in inputs]
         for n in counts:
             if n > self.cfg.max_model_len:
-                return _error(400, f"This model's maximum context length is {self.cfg.max_model_len} tokens. "
-                                   f"However, you requested {n} tokens in the input for embedding generation. "
-                                   f"Please reduce the length of the input.", "input")
+                return error(400, f"This model's maximum context length is {self.cfg.max_model_len} tokens. "
+                                  f"However, you requested {n} tokens in the input for embedding generation. "
+                                  f"Please reduce the length of the input.", param="input")
         total = sum(counts)
         await asyncio.sleep(BASE_S + PER_TOKEN_S * total)
         as_base64 = body.get("encoding_format") == "base64"

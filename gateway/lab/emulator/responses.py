@@ -28,6 +28,7 @@ from gateway.api.errors import ApiError
 from gateway.api.responses import conversation
 from gateway.api.sse import SSE_HEADERS, named_event
 from gateway.core.prefix import block_hashes
+from gateway.lab.emulator.replies import error, faulted_or_body
 
 MAX_STORED_RESPONSES = 256  # per instance; each is at most a context's worth of messages
 
@@ -53,11 +54,6 @@ class ResponseStore:
 
 
 STORE_KEY = web.AppKey("responses", ResponseStore)
-
-
-def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
 def _usage(seq) -> dict:
@@ -97,37 +93,30 @@ class _Reply:
 
 async def create_response(request: web.Request, inst, pool) -> web.StreamResponse:
     """The handler, given the instance and the pool it runs in (gateway/lab/emulator/server.py)."""
-    if inst.faults.added_latency_ms:
-        await asyncio.sleep(inst.faults.added_latency_ms / 1000)
-    if inst.should_fail():
-        return _error(500, "injected fault", "InternalServerError")
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        return _error(400, "body is not valid JSON")
-    if not isinstance(body, dict):
-        return _error(400, "body must be a JSON object")
+    body = await faulted_or_body(request, inst)
+    if isinstance(body, web.Response):
+        return body
     if body.get("model") not in (None, inst.model):
-        return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        return error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
     try:
         given, _ = conversation(body)
     except ApiError as e:
-        return _error(400, e.message, param=e.param)
+        return error(400, e.message, param=e.param)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        return _error(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+        return error(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
     history: list[dict] = []
     previous = body.get("previous_response_id")
     if previous is not None:
         stored = request.app[STORE_KEY].get(previous) if isinstance(previous, str) else None
         if stored is None:
-            return _error(404, f"Response with id '{previous}' not found.", "invalid_request_error", "response_id")
+            return error(404, f"Response with id '{previous}' not found.", "invalid_request_error", "response_id")
         history = stored
     # As vLLM builds it: this request's instructions, the stored conversation, then the new input.
     system = 1 if body.get("instructions") is not None else 0
     messages = given[:system] + history + given[system:]
     if not messages:  # only items it cannot read (reasoning, references): nothing to answer
-        return _error(400, "the input has no message to answer", param="input")
+        return error(400, "the input has no message to answer", param="input")
     counter = pool.token_counter
     ids = counter.chat_ids(messages)
     prompt_tokens = len(ids) if ids is not None else counter.count_chat(messages)
@@ -136,11 +125,11 @@ async def create_response(request: web.Request, inst, pool) -> web.StreamRespons
     if max_tokens is None:
         max_tokens = limit - prompt_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        return _error(400, "max_output_tokens must be a positive integer", param="max_output_tokens")
+        return error(400, "max_output_tokens must be a positive integer", param="max_output_tokens")
     if prompt_tokens + max_tokens > limit:
-        return _error(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
-                           "the completion).", param="max_output_tokens")
+        return error(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
+                          "the completion).", param="max_output_tokens")
     # The labels are keyed by the last user turn, as for a chat completion.
     text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
     store = body.get("store", True) is not False

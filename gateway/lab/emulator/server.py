@@ -43,6 +43,7 @@ from gateway.lab.emulator.logprobs import (
     prior_quality,
 )
 from gateway.lab.emulator.outputs import Answer, OutputLengths, text_seed
+from gateway.lab.emulator.replies import error, faulted_or_body
 from gateway.lab.emulator.responses import STORE_KEY, ResponseStore, create_response
 from gateway.lab.emulator.settings import FaultsConfig, emulator_of, engine_for, faults_of
 from gateway.lab.emulator.structured import AnswerShape, BadStructured, Structured, shape_of, structured_answer
@@ -59,11 +60,6 @@ MAX_CACHE_SALT_CHARS = 256
 # shares its cores with the gateway and the load generator, runs at most this many (n, or best_of) per request.
 MAX_SEQUENCES = 16
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily, one answer only
-
-
-def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
 class _BadRequest(Exception):
@@ -224,22 +220,15 @@ class _Render:
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     inst = request.app[INSTANCE_KEY]
     pool: EmulatedPool = request.app[POOL_KEY]
-    if inst.faults.added_latency_ms:
-        await asyncio.sleep(inst.faults.added_latency_ms / 1000)
-    if inst.should_fail():
-        return _error(500, "injected fault", "InternalServerError")
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        return _error(400, "body is not valid JSON")
-    if not isinstance(body, dict):
-        return _error(400, "body must be a JSON object")
+    body = await faulted_or_body(request, inst)
+    if isinstance(body, web.Response):
+        return body
     try:  # vLLM validates the body (its pydantic model) before it looks at the model
         salt = _cache_salt(body)
     except _BadRequest as e:
-        return _error(400, str(e), param=e.param)
+        return error(400, str(e), param=e.param)
     if body.get("model") not in (None, inst.model):
-        return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        return error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
     stream = bool(body.get("stream"))
     try:
         text, ids, prompt_tokens = _prompt_of(body, chat, pool.token_counter)
@@ -247,10 +236,10 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         top_n = _logprobs_request(body, chat)
         plan = shape_of(body) if chat else AnswerShape()  # vLLM's completions ignore tools; response_format: see docs
     except (_BadRequest, BadStructured) as e:
-        return _error(400, str(e), param=e.param)
+        return error(400, str(e), param=e.param)
     request_seed = body.get("seed")
     if request_seed is not None and not _int_param(request_seed):
-        return _error(400, "`seed` must be an integer", param="seed")
+        return error(400, "`seed` must be an integer", param="seed")
     limit = inst.engine.spec.max_model_len
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -258,9 +247,9 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     if max_tokens is None:
         max_tokens = limit - prompt_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        return _error(400, "max_tokens must be a positive integer", param="max_tokens")
+        return error(400, "max_tokens must be a positive integer", param="max_tokens")
     if prompt_tokens + max_tokens > limit:
-        return _error(
+        return error(
             400,
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
