@@ -26,6 +26,7 @@ from pathlib import Path
 
 from gateway.learning.completions import MAX_ID_CHARS, LoggedCompletion
 from gateway.learning.shared_completions import CompletionOutbox, decode, encode
+from gateway.state.sqlite_file import wal_connection
 
 log = logging.getLogger("routebalance.learning.host")
 
@@ -52,18 +53,9 @@ def beside(state_path: str | os.PathLike[str]) -> Path:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    # check_same_thread=False: the writer's connection is used by one thread at a time, each in turn.
-    db = sqlite3.connect(path, timeout=_OPEN_WAIT_S, isolation_level=None, check_same_thread=False)
-    try:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")  # a lost completion costs a feedback, not money
-        for statement in _SCHEMA:
-            db.execute(statement)
-        db.execute(f"PRAGMA busy_timeout={round(_LOCK_WAIT_S * 1000)}")
-    except sqlite3.Error:
-        db.close()
-        raise
-    return db
+    # The writer's connection is used by one thread at a time, each in turn; a completion lost to a power cut
+    # costs a feedback, not money.
+    return wal_connection(path, _SCHEMA, _LOCK_WAIT_S, _OPEN_WAIT_S)
 
 
 class HostCompletions(CompletionOutbox):

@@ -25,6 +25,7 @@ from typing import Literal
 
 from gateway.learning.export import ExportSummary, write_workload
 from gateway.learning.labels import LENGTH, Label
+from gateway.state.sqlite_file import wal_connection
 
 Added = Literal["stored", "exists", "full"]
 MEMORY = ":memory:"
@@ -106,17 +107,8 @@ class LabelStore:
         with self._errors():
             if self.path != MEMORY:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            # isolation_level=None: transactions are opened explicitly (one per batch of labels).
-            db = sqlite3.connect(self.path, timeout=_LOCK_WAIT_S, isolation_level=None, check_same_thread=False)
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                for statement in _SCHEMA:
-                    db.execute(statement)
-            except sqlite3.Error:
-                db.close()
-                raise
-        self._open = _Open(db)
+            # Transactions are opened explicitly (one per batch of labels).
+            self._open = _Open(wal_connection(self.path, _SCHEMA, _LOCK_WAIT_S))
 
     @classmethod
     def in_memory(cls, max_labels: int = 1_000_000) -> LabelStore:

@@ -31,11 +31,11 @@ import contextlib
 import itertools
 import logging
 import os
-import sqlite3
 from pathlib import Path
 
 from gateway.config.sections import ApiKey
 from gateway.core.budget import within_budget
+from gateway.state.sqlite_file import wal_connection
 from gateway.tenancy.spend.sqlite import (
     BOOK_UPSERT,
     SPEND_SCHEMA,
@@ -43,6 +43,7 @@ from gateway.tenancy.spend.sqlite import (
     SpendStoreError,
     check_usd,
     period_start,
+    store_errors,
 )
 
 log = logging.getLogger("routebalance.spend.host")
@@ -69,20 +70,9 @@ class HostSpendLedger:
     def __init__(self, path: str | os.PathLike[str], hold_ttl_s: float):
         self.path = Path(path)
         self.hold_ttl_s = hold_ttl_s
-        with self._errors():
+        with store_errors(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # isolation_level=None: transactions are begun and ended here, explicitly.
-            db = sqlite3.connect(self.path, timeout=_OPEN_WAIT_S, isolation_level=None, check_same_thread=False)
-            try:
-                db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
-                db.execute("PRAGMA synchronous=NORMAL")  # a commit without fsync: a power cut may lose the last
-                for statement in (SPEND_SCHEMA, _HOLDS, _HOLDS_INDEX):
-                    db.execute(statement)
-                db.execute(f"PRAGMA busy_timeout={round(_LOCK_WAIT_S * 1000)}")
-            except sqlite3.Error:
-                db.close()
-                raise
-        self._db = db
+            self._db = wal_connection(self.path, (SPEND_SCHEMA, _HOLDS, _HOLDS_INDEX), _LOCK_WAIT_S, _OPEN_WAIT_S)
         self._local_ids = itertools.count(-1, -1)  # holds of keys without a limit, never in the file
         self._open: dict[int, Reservation] = {}
         # Settled, not yet written: (reservation, cost); its hold (if any) stays in the file until it is.
@@ -93,16 +83,9 @@ class HostSpendLedger:
         return len(self._unwritten)
 
     @contextlib.contextmanager
-    def _errors(self):
-        try:
-            yield
-        except (OSError, sqlite3.Error) as err:
-            raise SpendStoreError(f"spend store {self.path}: {err}") from err
-
-    @contextlib.contextmanager
     def _transaction(self):
         """BEGIN IMMEDIATE: the write lock is taken first, so what is read inside stays true until COMMIT."""
-        with self._errors():
+        with store_errors(self.path):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -121,7 +104,7 @@ class HostSpendLedger:
     def remaining(self, key: ApiKey, now: float) -> float | None:
         if key.spend_limit_usd is None:
             return None
-        with self._errors():
+        with store_errors(self.path):
             committed = self._committed(key.name, period_start(key.period, now), now)
         return max(0.0, key.spend_limit_usd - committed)
 
@@ -166,7 +149,7 @@ class HostSpendLedger:
         if self._open.pop(reservation.id, None) is None or reservation.id < 0:
             return
         try:
-            with self._errors():
+            with store_errors(self.path):
                 self._db.execute("DELETE FROM holds WHERE id = ?", (reservation.id,))
         except SpendStoreError as e:
             log.warning("a hold of key %s was not freed (it expires within %g s): %s", reservation.key,

@@ -33,12 +33,22 @@ from typing import NamedTuple, Protocol
 
 from gateway.config.sections import ApiKey
 from gateway.core.budget import within_budget
+from gateway.state.sqlite_file import wal_connection
 
 log = logging.getLogger("routebalance.spend")
 
 
 class SpendStoreError(Exception):
     """The spend store cannot be opened, read or written; the message names the store and the cause."""
+
+
+@contextlib.contextmanager
+def store_errors(path):
+    """SQLite's and the file system's errors on the spend store at `path`, as SpendStoreError."""
+    try:
+        yield
+    except (OSError, sqlite3.Error) as err:
+        raise SpendStoreError(f"spend store {path}: {err}") from err
 
 
 class Booked(NamedTuple):
@@ -125,36 +135,20 @@ class SqliteSpendStore:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        with self._errors():
+        with store_errors(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # isolation_level=None: each statement is its own transaction, committed at once.
-            # check_same_thread=False: the owner may open it on one thread and use it on the
-            # event loop's; its calls never overlap.
-            db = sqlite3.connect(self.path, timeout=_LOCK_WAIT_S, isolation_level=None, check_same_thread=False)
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                db.execute(SPEND_SCHEMA)
-            except sqlite3.Error:
-                db.close()
-                raise
-        self._db = db
-
-    @contextlib.contextmanager
-    def _errors(self):
-        try:
-            yield
-        except (OSError, sqlite3.Error) as err:
-            raise SpendStoreError(f"spend store {self.path}: {err}") from err
+            # Each statement is its own transaction, committed at once; the owner may open it on one thread and
+            # use it on the event loop's.
+            self._db = wal_connection(self.path, (SPEND_SCHEMA,), _LOCK_WAIT_S)
 
     def booked(self, key: str, period: str) -> Booked:
-        with self._errors():
+        with store_errors(self.path):
             row = self._db.execute("SELECT usd, requests FROM spend WHERE key = ? AND period = ?",
                                    (key, period)).fetchone()
         return Booked(*row) if row else NOTHING_BOOKED
 
     def add(self, key: str, period: str, usd: float, requests: int) -> None:
-        with self._errors():
+        with store_errors(self.path):
             self._db.execute(BOOK_UPSERT, (key, period, usd, requests))
 
     def close(self) -> None:
