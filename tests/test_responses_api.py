@@ -17,14 +17,13 @@ from aiohttp import web
 from openai.types.responses import Response, ResponseStreamEvent
 from stubs import MODEL, TOKEN, Stub, StubStack, stub_config
 
-from conftest import Stack, pool_config, wait_for
+from conftest import Stack, pool_config, spent, wait_for
 from gateway.api.responses import parse_responses
 from gateway.api.sse import named_event
 from gateway.core.budget import per_token, predicted_cost
 from gateway.lab.emulator.responses import ResponseStore
 from gateway.serving.stored_responses import client_id, instance_tag, split_id
 from gateway.tenancy.keys import hash_key
-from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 
 QUESTION = "Explain how a river delta forms."
 # The SDK's type of each stream event, by its `type`.
@@ -312,16 +311,10 @@ def test_a_budget_that_runs_out_ends_the_stream_cleanly_and_is_paid_once(tmp_pat
         usage = final.response.usage
         assert usage.output_tokens == 40 and usage.model_extra["cost_usd"] <= budget * (1 + 1e-9)
 
-        def spent() -> float:
-            store = SqliteSpendStore(tmp_path / "s.db")
-            try:
-                return SpendLedger(store).spent("a", period_start("total", time.time()))
-            finally:
-                store.close()
-
-        wait_for(lambda: spent() == pytest.approx(usage.model_extra["cost_usd"]), 5, "the stream's booking")
+        paid = usage.model_extra["cost_usd"]
+        wait_for(lambda: spent(tmp_path / "s.db", "a") == pytest.approx(paid), 5, "the stream's booking")
         time.sleep(0.3)  # nothing books it a second time
-        assert spent() == pytest.approx(usage.model_extra["cost_usd"])
+        assert spent(tmp_path / "s.db", "a") == pytest.approx(paid)
     finally:
         stack.stop()
 

@@ -20,14 +20,13 @@ import pytest
 from aiohttp import web
 from stubs import MODEL, TOKEN, Stub, StubStack, stub_config
 
-from conftest import Stack, free_port, pool_config, wait_for
+from conftest import Stack, free_port, pool_config, spent, wait_for
 from gateway.config.store import default_config_path, load_config
 from gateway.core.budget import REL_TOL, per_token, predicted_cost, token_prices
 from gateway.lab.emulator.server import EmulatedPool
 from gateway.lab.emulator.structured import MAX_DEPTH, MAX_ITEMS, MAX_VALUES, value
 from gateway.learning.labels import prompt_hash
 from gateway.tenancy.keys import hash_key
-from gateway.tenancy.spend.sqlite import SpendLedger, SqliteSpendStore, period_start
 from gateway.tokens import TokenCounter
 
 COUNTER = TokenCounter()
@@ -49,14 +48,6 @@ ORDER = {"type": "object", "properties": {
     "$defs": {"Item": {"type": "object", "required": ["name", "price"], "properties": {
         "name": {"type": "string", "maxLength": 12}, "price": {"type": "number", "exclusiveMinimum": 0}}}}}
 SMALL = 64  # max_tokens that holds an emulated tool call or JSON answer whole
-
-
-def spent(state_db, name: str) -> float:
-    store = SqliteSpendStore(state_db)
-    try:
-        return SpendLedger(store).spent(name, period_start("total", time.time()))
-    finally:
-        store.close()
 
 
 @pytest.fixture(scope="module")
