@@ -1,10 +1,11 @@
 """This gateway in passthrough against its peers, side by side: the Rust vllm-router and LiteLLM's proxy,
 each in front of the same instant backend (instant_backend.py), under the same load, in alternating
-rounds (A B A B), streamed and not.
+rounds (A B, then B A), streamed and not.
 
     bash loadtest/peers.sh                      # 3 rounds x 10 s per router and mode, concurrency 32
     bash loadtest/peers.sh --rounds 5 --seconds 20 --no-litellm
     bash loadtest/peers.sh --client python --backends 13 --no-litellm   # a Python load generator, 13 backends
+    bash loadtest/peers.sh --no-litellm --baseline /tmp/base   # and an earlier commit's gateway, same rounds
 
 The peers are installed once in their own virtual environment (.peers-venv, or $PEERS_VENV), wrk from
 Debian's package if it is missing. `--client python` loads with an asyncio aiohttp client in this process
@@ -244,18 +245,29 @@ def main() -> None:
     parser.add_argument("--gateway-workers", default="1",
                         help="this gateway's process counts to measure, comma-separated (e.g. 1,2: `serve --workers "
                              "2` beside one process; more than 1 starts a redis-server for their shared state)")
-    parser.add_argument("--out", type=Path, help="default: loadtest/results/peers.json (wrk), peers_python.json")
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="another checkout of this gateway (e.g. `git worktree add /tmp/base <commit>`), run "
+                             "in the same rounds as the target routebalance@base: one process, its code first on "
+                             "PYTHONPATH, this environment's packages")
+    parser.add_argument("--out", type=Path, help="default: loadtest/results/peers.json (wrk), peers_python.json "
+                                                 "(python), peers_base.json (--baseline)")
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "gateway" / "__init__.py").is_file():
+        sys.exit(f"--baseline: no gateway package in {args.baseline}")
     if not (1 <= args.rounds <= 20 and 1 <= args.seconds <= 120 and 1 <= args.backends <= 64):
         sys.exit("--rounds 1..20, --seconds 1..120 and --backends 1..64")
-    args.out = args.out or ROOT / "loadtest" / "results" / ("peers.json" if args.client == "wrk" else
-                                                            "peers_python.json")
+    args.out = args.out or ROOT / "loadtest" / "results" / ("peers_base.json" if args.baseline else "peers.json"
+                                                            if args.client == "wrk" else "peers_python.json")
     wrk = ensure_wrk() if args.client == "wrk" else ""
     venv = peers_venv()
     logs = Path(tempfile.mkdtemp(prefix="peers-"))
     procs: list[subprocess.Popen] = []
     counts = [int(w) for w in args.gateway_workers.split(",")]
     gateways = {("routebalance" if w == 1 else f"routebalance-w{w}"): w for w in counts}
+    code = {}  # a gateway target run from another checkout: its PYTHONPATH
+    if args.baseline is not None:
+        gateways["routebalance@base"] = 1
+        code["routebalance@base"] = {"PYTHONPATH": str(args.baseline.resolve())}
     names = ("vllm-router", "litellm", "redis", *gateways)
     chosen = free_ports(len(names) + args.backends)
     ports, backends = dict(zip(names, chosen, strict=False)), chosen[len(names):]
@@ -278,7 +290,8 @@ def main() -> None:
         for name, workers in gateways.items():
             config = gateway_config(logs / f"{name}.toml", ports[name], backends, redis_url if workers > 1 else None)
             procs.append(start(name, [str(Path(sys.executable).parent / "routebalance"), "serve", "--config",
-                                      str(config), "--workers", str(workers)], ports[name], logs, "/health"))
+                                      str(config), "--workers", str(workers)], ports[name], logs, "/health",
+                               env=code.get(name)))
             every_worker(ports[name], workers)
         if not args.no_litellm:
             procs.append(start("litellm", [str(venv / "bin" / "litellm"), "--config",
@@ -292,8 +305,10 @@ def main() -> None:
                    for mode in ("plain", "stream") for name in targets}
         runs = []
         for rnd in range(args.rounds):
+            # Every other round in reverse order, so that no target always runs right after the same other one.
+            order = list(targets.items())[::-1 if rnd % 2 else 1]
             for mode in ("plain", "stream"):
-                for name, port in targets.items():
+                for name, port in order:
                     url = f"http://127.0.0.1:{port}/v1/chat/completions"
                     if args.client == "wrk":
                         rps, p50, p99, errors = run_wrk(wrk, url, scripts[(mode, name)], args.seconds,

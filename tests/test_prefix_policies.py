@@ -355,3 +355,26 @@ def test_routebalance_without_prefixes_scores_as_the_paper():
     view = view_of(_small_pool(), in_flight=[0, 1, 0], prefixes=False)
     (d,) = _routebalance(view, [request(history, n=3)])
     assert d.cached_tokens is None and d.ranked[0] != 1
+
+
+def test_a_heavier_own_prefill_keeps_a_turn_where_its_history_is():
+    """prefill_weight counts the request's own prefill more than once (its time to first token): the busy warm
+    instance that loses above at weight 1 wins at 6 (cold: 10 s + 1.64 s x (w + 2); warm: 20 s + 0.04 s x (w + 4))."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    history = tokens(0, 1600)
+    prompt = request(history + tokens(9000, 40), n=3)
+    picks = {}
+    for own in (1.0, 4.0, 6.0):
+        busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
+        hold(busy, 1, history)
+        busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3), pending_decode=busy.running * 1000.0)
+        (d,) = assign_batch([prompt], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 1000.0)), busy,
+                            RouteBalanceOptions(prefill_weight=own), None, np.random.default_rng(0))
+        picks[own] = d.ranked[0]
+    assert picks[1.0] != 1 and picks[4.0] != 1 and picks[6.0] == 1
+    with pytest.raises(ValueError, match="prefill_weight"):
+        RouteBalanceOptions(prefill_weight=0.5)

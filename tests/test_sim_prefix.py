@@ -53,7 +53,21 @@ def test_trace_rows_keep_their_lengths_answers_and_order(small_sim):
     assert len({p[:4] for p in rows.prefix}) == 1 and 0.05 < rows.ceiling < 0.5  # reuse grows with the rows
     again = prefixed_rows(PrefixSource("trace"), 400, 4.0, 0, 16, 8192)
     other = prefixed_rows(PrefixSource("trace"), 400, 4.0, 1, 16, 8192)
-    assert (again.source_row == rows.source_row).all() and (other.source_row != rows.source_row).any()
+    assert (again.borrowed == rows.borrowed).all() and (other.borrowed != rows.borrowed).any()
+
+
+def test_an_agent_run_borrows_one_prompt_and_a_conversation_one_per_turn():
+    """Live, the estimators see a chat's last user turn: an agent run's is its task at every step, a
+    conversation's a new message each turn."""
+    rows = prefixed_rows(PrefixSource("synthetic"), 600, 4.0, 0, 16, 8192)
+    by_session: dict[str, list[int]] = {}
+    for session, borrowed in zip(rows.session, rows.borrowed.tolist(), strict=True):
+        by_session.setdefault(session, []).append(borrowed)
+    agents = [b for s, b in by_session.items() if s.startswith("agent") and len(b) > 1]
+    talks = [b for s, b in by_session.items() if s.startswith("conversation") and len(b) > 1]
+    assert agents and talks
+    assert all(len(set(b)) == 1 for b in agents) and all(len(set(b)) == len(b) for b in talks)
+    assert len(set(rows.borrowed.tolist())) == len(by_session) + sum(len(b) - 1 for b in talks)
 
 
 def test_the_cache_term_finds_the_prefixes_and_events_predict_them_exactly(small_sim):

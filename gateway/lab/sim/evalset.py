@@ -5,7 +5,8 @@ set rather than once per cell: embeddings, KNN quality and length per
 instance column are cached in `<models_dir>/sim/`, keyed by the build's
 manifest, the prompts and the pool's models. The same pass times the real
 embedder and the real RouteBalance assignment at batch 1 and 16, and the
-simulator charges a batch its compute from that straight line (ComputeCost).
+simulator charges a batch its compute from that straight line (ComputeCost),
+kept per build, pool and source of the timed code.
 
 Prompt tokens are counted as the gateway and the emulator count them: the
 prompt as one user turn through Qwen2.5's chat template.
@@ -146,7 +147,7 @@ def load_evalset(cfg, n: int, estimators=None) -> EvalSet:
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, **cached)
         tmp.replace(path)
-    # Measured once per build and pool, whatever the set's size, so every cell is charged alike.
+    # Measured once per build, pool and timed code, whatever the set's size, so every cell is charged alike.
     cost = cached_cost(models_dir / "sim" / f"cost-{cache_key(manifest, cfg)}.json", bundle, cfg,
                        [r.prompt for r in records])
     return EvalSet(tuple(r.prompt for r in records), prompt_tokens, label_score, label_length, cached["quality"],
@@ -180,14 +181,29 @@ def _estimate(estimators, cfg, prompts: list[str], chunk: int = 64) -> dict[str,
 
 
 def cached_cost(path: Path, estimators, cfg, prompts: list[str]) -> ComputeCost:
-    """The scheduler's compute from `path`, else measured (measure_cost; `estimators()` gives the bundle) and
-    kept there: every process of a sweep, its workers included, then charges the same."""
+    """The scheduler's compute from `path` (named also by the source of the code it times), else measured
+    (measure_cost; `estimators()` gives the bundle) and kept there: every process of a sweep, its workers
+    included, then charges the same, and a change to the estimators or the scorer is timed anew rather than
+    charged at the speed of the code before it."""
+    path = path.with_name(f"{path.stem}-{timed_code_digest()}{path.suffix}")
     if path.is_file():
         return ComputeCost(**json.loads(path.read_text()))
     cost = measure_cost(estimators(), cfg, prompts)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dataclasses.asdict(cost), indent=1))
     return cost
+
+
+def timed_code_digest() -> str:
+    """A digest of the source of what measure_cost times: the estimators, the Eq. 1 terms, the pool view and
+    prefix index the scorer reads, and RouteBalance's assignment."""
+    root = Path(__file__).resolve().parents[2]
+    files = sorted([*(root / "estimators").glob("*.py"), *(root / "policies" / "routebalance").glob("*.py"),
+                    *(root / "core" / name for name in ("scoring.py", "view.py", "prefix.py", "budget.py"))])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def measure_cost(estimators, cfg, prompts: list[str]) -> ComputeCost:

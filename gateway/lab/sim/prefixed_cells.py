@@ -10,10 +10,15 @@ blocks), its arrival time and its max_tokens.
 Row i of the workload borrows held-out synthetic prompt i (modulo the
 evaluation set's size): its quality labels and the estimators' predictions
 (quality, answer length, embedding), so that quality and cost are defined,
-and paired across modes. A trace row keeps its own answer length on every
-model (the trace's, capped by the window); a synthetic row answers with the
-borrowed prompt's labelled lengths. Every request asks for what the window
-leaves (vLLM's default max_tokens), so no answer is cut.
+and paired across modes. The steps of a synthetic agent run all borrow the
+run's first row: the gateway's estimators see a chat's last user turn
+(api/parse.py), and an agent loop appends tool calls and their results after
+its one task, so live every step is estimated as its task. A conversation's
+turns each bring a new user message, so each borrows its own. A trace row
+keeps its own answer length on every model (the trace's, capped by the
+window); a synthetic row answers with the borrowed prompt's labelled
+lengths. Every request asks for what the window leaves (vLLM's default
+max_tokens), so no answer is cut.
 
 Arrival times are the workload's own, scaled to the cell's mean rate. The
 trace's timestamps are whole milliseconds (many requests share one): the
@@ -74,10 +79,10 @@ class PrefixSource:
 
 @dataclass(frozen=True)
 class PrefixedRows:
-    """One cell's requests in arrival order; `source_row` is each one's row of the workload (and so of the
-    evaluation set: source_row mod its size)."""
+    """One cell's requests in arrival order; `borrowed` is the workload row whose held-out prompt each one
+    borrows (the evaluation set's row: borrowed mod its size)."""
 
-    source_row: np.ndarray
+    borrowed: np.ndarray
     times: np.ndarray
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray  # -1: the borrowed prompt's labelled lengths
@@ -105,9 +110,15 @@ def prefixed_rows(source: PrefixSource, n: int, rate: float, seed: int, block_si
         block_hashes(row_tokens(r).tolist(), block_size) for r in rows)
     prompt = np.array([r.prompt_tokens for r in rows])
     out = np.array([-1 if r.output_tokens is None else r.output_tokens for r in rows])
-    return PrefixedRows(order, times, prompt[order], out[order], window - prompt[order],
+    return PrefixedRows(_borrowed(rows)[order], times, prompt[order], out[order], window - prompt[order],
                         tuple(hashes[k] for k in order), tuple(rows[k].session for k in order), work.truncated,
                         ceiling_hit_rate(rows, block_size))
+
+
+def _borrowed(rows) -> np.ndarray:
+    """Per row, the row whose held-out prompt it borrows: its own, or its agent run's first (see above)."""
+    first: dict[str, int] = {}
+    return np.array([first.setdefault(r.session, k) if r.kind == "agent" else k for k, r in enumerate(rows)])
 
 
 @functools.lru_cache(maxsize=2)  # every cell of a sweep replays the same file

@@ -684,7 +684,7 @@ def _prompts(cfg, evalset: EvalSet, spec: CellSpec) -> tuple[EvalSet, np.ndarray
         return ev, None, np.full(len(ev), spec.max_tokens), _prompt_blocks(ev.prompts, block), (None,) * len(ev)
     window = min(inst.max_model_len for inst in cfg.instances)
     rows = prefixed_rows(spec.prefixed, spec.requests, spec.arrivals.rate, spec.seed, block, window)
-    ev = evalset.rows(rows.source_row % len(evalset))
+    ev = evalset.rows(rows.borrowed % len(evalset))
     own = rows.output_tokens >= 0  # the trace's own answer length, on every model
     lengths = np.where(own[:, None], np.minimum(rows.output_tokens, rows.max_tokens)[:, None], ev.label_length)
     ev = dataclasses.replace(ev, prompt_tokens=rows.prompt_tokens, label_length=lengths)

@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-from gateway.config_schema import Section, section
+from gateway.config_schema import Section, option, section
 from gateway.core.budget import predicted_cost, within_budget
 from gateway.core.request import Decision, Estimates, Refusal, RouteRequest
 from gateway.core.scoring import QualityTerm, eq1, expected_latency, prefill_latency, quality_term
@@ -54,7 +54,10 @@ class RouteBalanceOptions(Section):
     prefill_term (where the gateway looks at prefixes): the prefill of what a
     candidate does not hold, or of the whole prompt as if no instance held
     any of it (the ablation that tells pricing the prefill's load apart from
-    knowing the caches).
+    knowing the caches); prefill_weight: how many times the request's own
+    prefill counts (1: once, in its end-to-end time, as Eq. 1 prices
+    latency; more weighs its time to first token, which a streaming client
+    waits through before it sees anything, and so favours warm instances).
     """
 
     quality_term: QualityTerm = "raw"
@@ -63,6 +66,7 @@ class RouteBalanceOptions(Section):
     lpt: bool = True
     budget_filter: bool = True
     prefill_term: PrefillTerm = "cached"
+    prefill_weight: float = option(1.0, ge=1)
     seed: int = 0
 
     @property
@@ -153,7 +157,8 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     cached = view.cached_tokens(req.prefix, req.input_tokens)[cands] if view.knows_prefixes else None
     if cached is not None:
         priced = cached if options.prefill_term == "cached" else np.zeros_like(cached)
-        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.running[cands])
+        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.running[cands],
+                                options.prefill_weight)
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
