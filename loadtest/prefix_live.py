@@ -16,6 +16,8 @@ from one target to the next), in alternating rounds (A B C D, A B C D, ...):
 
   rb-approximate  `routebalance serve`, [scheduler] policy "routebalance", prefix_cache "approximate" (what it
                   sent where: Eq. 1's latency adds the prefill of what an instance does not hold);
+  rb-weighted     rb-approximate with [policies.routebalance] prefill_weight = 4 (a request's own prefill counted
+                  four times: its first token weighed beside its end-to-end time);
   rb-off          the same with prefix_cache "off" (the cache term off: the paper's score);
   vr-cache_aware  vllm-router 0.1.17 --policy cache_aware, its defaults (cache threshold 0.3, balance thresholds
                   abs 64 / rel 1.5; a character-level radix tree per worker);
@@ -87,7 +89,10 @@ MAX_TOKENS = 128
 # 16-token block that any instance which has served anything holds. More cached tokens than that is real reuse.
 TEMPLATE_BLOCK = 16
 TEMPLATE_ROOM = 64  # tokens of Qwen2.5's chat template around one user message (29 with the default system turn)
-TARGETS = ("rb-approximate", "rb-off", "vr-cache_aware", "vr-round_robin")
+TARGETS = ("rb-approximate", "rb-weighted", "rb-off", "vr-cache_aware", "vr-round_robin")
+# The gateway's targets: [scheduler] prefix_cache and [policies.routebalance] prefill_weight.
+GATEWAY_TARGETS = {"rb-approximate": ("approximate", 1.0), "rb-weighted": ("approximate", 4.0),
+                   "rb-off": ("off", 1.0)}
 KV_AWARE_NOTE = ("vllm-router kv_aware not run: 0.1.17 decodes only the map encoding of KV events (the emulator "
                  "sends vLLM's array encoding), and it recomputes vLLM's block hashes (sha256_cbor/xxhash_cbor) "
                  "from tokens of its own tokenisation, with a tokenizer fetched from the Hub: offline it has no "
@@ -151,7 +156,7 @@ def pool_toml(fields: dict, ports: list[int]) -> str:
                    for k, port in enumerate(ports))
 
 
-def gateway_toml(port: int, prefix_cache: str, pool: str) -> str:
+def gateway_toml(port: int, prefix_cache: str, pool: str, prefill_weight: float = 1.0) -> str:
     return f"""[server]
 host = "127.0.0.1"
 port = {port}
@@ -159,6 +164,9 @@ port = {port}
 [scheduler]
 policy = "routebalance"
 prefix_cache = "{prefix_cache}"
+
+[policies.routebalance]
+prefill_weight = {prefill_weight}
 
 [estimators]
 models_dir = "{MODELS_DIR}"
@@ -331,7 +339,8 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
             httpx.get(f"{url}/health", timeout=5).raise_for_status()
         if target.startswith("rb-"):
             cfg = logs / f"{tag}-gateway.toml"
-            cfg.write_text(gateway_toml(front, target.removeprefix("rb-"), pool))
+            prefix_cache, prefill_weight = GATEWAY_TARGETS[target]
+            cfg.write_text(gateway_toml(front, prefix_cache, pool, prefill_weight))
             procs.append(start(f"{tag}-gateway", [str(BIN / "routebalance"), "--log-level", "WARNING", "serve",
                                                   "--config", str(cfg)], front, logs, "/health", timeout_s=180.0))
         else:
