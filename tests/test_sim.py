@@ -25,8 +25,9 @@ from gateway.lab.experiments.sweeps import (
     write_rows,
     write_sweep,
 )
+from gateway.lab.sim import evalset
 from gateway.lab.sim.arrivals import ArrivalSpec, arrival_times
-from gateway.lab.sim.evalset import load_evalset
+from gateway.lab.sim.evalset import ComputeCost, cached_cost, load_evalset
 from gateway.lab.sim.metrics import HEADLINE, RequestArrays, request_figures, summarise
 from gateway.lab.sim.replay import replay
 from gateway.lab.sim.simulator import CellSpec, Outcome, run_cell, with_batching
@@ -65,6 +66,24 @@ def test_arrivals_repeat_for_a_seed_and_bad_specs_are_refused():
 
 
 # ---- figures of a cell --------------------------------------------------------------
+
+def test_the_scheduler_compute_is_timed_again_when_the_timed_code_changes(tmp_path, monkeypatch):
+    """The simulator charges the compute it timed; kept per build and pool, it must not outlive the code it timed
+    (a faster scorer would be charged at the old speed)."""
+    timed = []
+
+    def measure(estimators, cfg, prompts):
+        timed.append(len(timed))
+        return ComputeCost(*(0.001 * (len(timed) + k) for k in range(6)))
+
+    monkeypatch.setattr(evalset, "measure_cost", measure)
+    path = tmp_path / "cost-build.json"
+    first = cached_cost(path, lambda: None, None, [])
+    assert cached_cost(path, lambda: None, None, []) == first and len(timed) == 1  # kept
+    monkeypatch.setattr(evalset, "timed_code_digest", lambda: "another-scorer")
+    again = cached_cost(path, lambda: None, None, [])
+    assert len(timed) == 2 and again != first and len(list(tmp_path.glob("cost-build-*.json"))) == 2
+
 
 def test_summary_of_hand_made_outcomes():
     models = ("big", "small")
