@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from gateway.lab.emulator.replies import error
+from gateway.lab.emulator.replies import error, json_object
 from gateway.tokens import TokenCounter
 
 DIMENSIONS = 384  # bge-small-en-v1.5's and e5-small-v2's
@@ -68,12 +68,9 @@ class EmbedServer:
         return web.Response(status=200)
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return error(400, "the body is not valid JSON")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
+        body = await json_object(request)
+        if isinstance(body, web.Response):
+            return body
         if body.get("model") != self.cfg.model:
             return error(404, f"The model `{body.get('model')}` does not exist.", param="model")
         inputs = _inputs(body.get("input"))

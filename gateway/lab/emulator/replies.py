@@ -1,5 +1,5 @@
 """What every endpoint of an emulated vLLM instance does alike: its error objects, and the start of a request
-(the instance's injected faults, then a body that must be a JSON object)."""
+(the instance's injected faults, then a body that must be a JSON object; the embedding server has no faults)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ async def faulted_or_body(request: web.Request, inst) -> dict | web.Response:
         await asyncio.sleep(inst.faults.added_latency_ms / 1000)
     if inst.should_fail():
         return error(500, "injected fault", "InternalServerError")
+    return await json_object(request)
+
+
+async def json_object(request: web.Request) -> dict | web.Response:
+    """The request's body as a JSON object, or the 400 that answers a body which is not one."""
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError:
