@@ -25,7 +25,7 @@ from typing import Literal
 
 from gateway.learning.export import ExportSummary, write_workload
 from gateway.learning.labels import LENGTH, Label
-from gateway.state.sqlite_file import wal_connection
+from gateway.state.sqlite_file import file_errors, wal_connection
 
 Added = Literal["stored", "exists", "full"]
 MEMORY = ":memory:"
@@ -114,12 +114,8 @@ class LabelStore:
     def in_memory(cls, max_labels: int = 1_000_000) -> LabelStore:
         return cls(MEMORY, max_labels)
 
-    @contextlib.contextmanager
-    def _errors(self):
-        try:
-            yield
-        except (OSError, sqlite3.Error) as err:
-            raise LabelStoreError(f"label store {self.path}: {err}") from err
+    def _errors(self) -> contextlib.AbstractContextManager[None]:
+        return file_errors(LabelStoreError, f"label store {self.path}")
 
     @property
     def rows(self) -> int:

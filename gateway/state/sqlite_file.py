@@ -5,9 +5,10 @@ thread that did not open it (check_same_thread=False: each owner's calls never o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 def wal_connection(path: str | os.PathLike[str], schema: Iterable[str], wait_s: float,
@@ -28,3 +29,12 @@ def wal_connection(path: str | os.PathLike[str], schema: Iterable[str], wait_s: 
         db.close()
         raise
     return db
+
+
+@contextlib.contextmanager
+def file_errors(raise_as: type[Exception], what: str) -> Iterator[None]:
+    """SQLite's and the file system's errors on one of these files, as `raise_as` naming `what` and the cause."""
+    try:
+        yield
+    except (OSError, sqlite3.Error) as err:
+        raise raise_as(f"{what}: {err}") from err

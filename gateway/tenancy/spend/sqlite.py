@@ -24,7 +24,6 @@ import itertools
 import logging
 import math
 import os
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,7 +32,7 @@ from typing import NamedTuple, Protocol
 
 from gateway.config.sections import ApiKey
 from gateway.core.budget import within_budget
-from gateway.state.sqlite_file import wal_connection
+from gateway.state.sqlite_file import file_errors, wal_connection
 
 log = logging.getLogger("routebalance.spend")
 
@@ -42,13 +41,9 @@ class SpendStoreError(Exception):
     """The spend store cannot be opened, read or written; the message names the store and the cause."""
 
 
-@contextlib.contextmanager
-def store_errors(path):
+def store_errors(path) -> contextlib.AbstractContextManager[None]:
     """SQLite's and the file system's errors on the spend store at `path`, as SpendStoreError."""
-    try:
-        yield
-    except (OSError, sqlite3.Error) as err:
-        raise SpendStoreError(f"spend store {path}: {err}") from err
+    return file_errors(SpendStoreError, f"spend store {path}")
 
 
 class Booked(NamedTuple):
