@@ -1,7 +1,9 @@
 """Emulated instances cache prompt prefixes and report it as vLLM does: usage, /metrics, KV-cache events.
 
 A small emulated pool (no gateway) on loopback, driven with the official OpenAI SDK; the KV-cache events are
-read with plain pyzmq and msgpack, decoded as vLLM's array-like msgspec structs (vllm/distributed/kv_events.py).
+read with plain pyzmq and msgpack, decoded as vLLM's msgspec structs (vllm/distributed/kv_events.py): each
+event a map tagged by its "type" (vLLM since vllm-project/vllm#42892, the emulator's default), or the older
+tagged array.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from gateway.cli import emulated
 from gateway.config.store import ConfigStore, default_config_path
 from gateway.config_schema import ConfigError
 from gateway.core.prefix import block_hashes
-from gateway.lab.emulator.kv_events import BlockTable, KvEventPublisher
+from gateway.lab.emulator.kv_events import BlockTable, KvEventPublisher, as_map
 from gateway.tokens import TokenCounter
 
 BLOCK = 16
@@ -198,8 +200,46 @@ def test_a_bad_cache_salt_is_a_400_in_vllms_error_shape(pool, salt, message):
     assert message in body["message"] and body["param"] == "cache_salt" and body["code"] == 400
 
 
+def test_tokenize_gives_the_ids_the_instance_computes(pool):
+    """vLLM's /tokenize, which routers that match requests against KV-cache events call for a prompt's ids."""
+    url, model = pool.cfg("caching").url + "/tokenize", "Qwen/Qwen2.5-7B-Instruct"
+    text = document(40, items=10)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    r = httpx.post(url, json={"model": model, "messages": messages}, timeout=10)
+    assert r.status_code == 200
+    body = r.json()
+    answer = pool.client("caching").chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert body["count"] == len(body["tokens"]) == answer.usage.prompt_tokens
+    assert body["max_model_len"] == 2048 and body["tokens"][-3:] == TokenCounter().ids("<|im_start|>assistant\n")
+    without = httpx.post(url, json={"messages": messages, "add_generation_prompt": False}, timeout=10).json()
+    assert without["tokens"] == body["tokens"][:-3]
+    plain = httpx.post(url, json={"model": model, "prompt": text}, timeout=10).json()
+    assert plain["tokens"] == TokenCounter().ids(text)
+    assert plain["count"] == pool.client("caching").completions.create(model=model, prompt=text,
+                                                                       max_tokens=1).usage.prompt_tokens
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "other"}, 404, "model"),
+    ({"messages": []}, 400, "messages"),
+    ({"prompt": 7}, 400, "prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": "yes"}, 400,
+     "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+])
+def test_tokenize_refuses_bad_bodies_in_vllms_error_shape(pool, body, status, param):
+    r = httpx.post(pool.cfg("caching").url + "/tokenize", json=body, timeout=10)
+    assert r.status_code == status
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == status
+
+
 # ---- KV-cache events --------------------------------------------------------------------------------------------
-# vLLM's structs (msgspec, array_like=True, tag=True): the tag first, then the fields in declaration order.
+# vLLM 0.26's events (the map encoding): each a map of its struct's fields tagged by "type", with the fields the
+# map encoding brought (one cache group of full attention, no LoRA, no extra keys on an unsalted prompt).
+MAP_ADDED = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+
+
 def decode_batch(msgpack, frames: list[bytes]) -> tuple[int, list]:
     """(sequence number, events) of one message: [topic, 8-byte big-endian sequence, msgpack KVEventBatch]."""
     topic, seq, payload = frames
@@ -208,18 +248,19 @@ def decode_batch(msgpack, frames: list[bytes]) -> tuple[int, list]:
     assert abs(ts - time.time()) < 60 and dp_rank == 0
     out = []
     for event in events:
-        tag, *fields = event
-        if tag == "BlockStored":
-            block_hashes_, parent, token_ids, block_size, lora_id, medium = fields
-            assert block_size == BLOCK and lora_id is None and medium == "GPU"
-            assert len(token_ids) == BLOCK * len(block_hashes_)
-            out.append(("stored", block_hashes_, parent, token_ids))
-        elif tag == "BlockRemoved":
-            hashes, medium = fields
-            assert medium == "GPU"
-            out.append(("removed", hashes))
+        kind = event.pop("type")
+        if kind == "BlockStored":
+            hashes = event["block_hashes"]
+            assert event == {"block_hashes": hashes, "parent_block_hash": event["parent_block_hash"],
+                             "token_ids": event["token_ids"], "block_size": BLOCK, "lora_id": None, "medium": "GPU",
+                             "lora_name": None, "extra_keys": [None] * len(hashes), **MAP_ADDED}
+            assert len(event["token_ids"]) == BLOCK * len(hashes)
+            out.append(("stored", hashes, event["parent_block_hash"], event["token_ids"]))
+        elif kind == "BlockRemoved":
+            assert event == {"block_hashes": event["block_hashes"], "medium": "GPU", **MAP_ADDED}
+            out.append(("removed", event["block_hashes"]))
         else:
-            assert (tag, fields) == ("AllBlocksCleared", [])
+            assert (kind, event) == ("AllBlocksCleared", {})
             out.append(("cleared",))
     return int.from_bytes(seq, "big"), out
 
@@ -363,6 +404,49 @@ def test_blocks_shared_by_requests_stay_until_the_last_leaves():
     assert table.events([h2[0], h2[1]], [], cached=set(h2))[0][3] == [1, 2, 9, 9]
     table.drop(h2)
     assert len(table) == 0
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_each_encoding_sends_what_vllm_sends_and_the_gateway_reads_both(encoding):
+    zmq = pytest.importorskip("zmq", reason=EVENTS_SKIP)
+    msgpack = pytest.importorskip("msgpack", reason=EVENTS_SKIP)
+    from gateway.core.prefix import ReportedBlocks
+    from gateway.serving.kv_events import _apply
+
+    ids = [1, 2, 3, 4, 5, 6]
+    a, b, c = block_hashes(ids, 2)
+    events = [["BlockStored", [a % U64, b % U64, c % U64], None, ids, 2, None, "GPU"],
+              ["BlockRemoved", [c % U64], "GPU"], ["AllBlocksCleared"]]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = KvEventPublisher(endpoint, 2, "k", encoding)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        for _ in range(50):  # PUB drops what it sends before the subscription arrives
+            publisher.publish(events[:2])
+            if sub.poll(100):
+                break
+        else:
+            pytest.fail("no batch reached the subscriber")
+        _, _, payload = sub.recv_multipart()
+    finally:
+        sub.close(linger=0)
+        publisher.close()
+    _, wire, rank = msgpack.unpackb(payload)
+    assert rank == 0
+    if encoding == "array":
+        assert wire == events[:2]  # the tag, then the struct's fields in order
+    else:
+        assert wire == [as_map(e) for e in events[:2]]
+        assert wire[0]["type"] == "BlockStored" and wire[0]["extra_keys"] == [None, None, None]
+        assert wire[1] == {"type": "BlockRemoved", "block_hashes": [c % U64], "medium": "GPU", **MAP_ADDED}
+    assert as_map(events[2]) == {"type": "AllBlocksCleared"}
+    # The gateway's reader takes either encoding to the same index: a and b held, c evicted.
+    reported = ReportedBlocks(64, 2)
+    for event in wire:
+        _apply(reported, event)
+    assert reported.index.match(block_hashes(ids, 2)) == 2 and len(reported.index) == 2
 
 
 def test_kv_events_without_pyzmq_name_the_extra(monkeypatch):

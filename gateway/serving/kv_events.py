@@ -195,9 +195,10 @@ def _batch(frames: list[bytes], unpack) -> tuple[int, float, list]:
     return seq, float(payload[0]), payload[1]
 
 
-# The fields of each event in the array encoding, after its tag.
-_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-           "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
+# The fields of each event in the array encoding, after its tag: vLLM's structs' fields in declaration order (the
+# emulator writes them in this order too; the reader needs the hashes, the parent, the tokens and the block size).
+EVENT_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+                "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
 
 
 def _apply(reported: ReportedBlocks, event: list | dict) -> None:
@@ -205,7 +206,7 @@ def _apply(reported: ReportedBlocks, event: list | dict) -> None:
         kind, fields = event.get("type"), event
     else:
         kind = event[0]
-        fields = dict(zip(_FIELDS.get(kind, ()), event[1:], strict=False))
+        fields = dict(zip(EVENT_FIELDS.get(kind, ()), event[1:], strict=False))
     if kind == "BlockStored":
         reported.stored(fields["block_hashes"], fields["parent_block_hash"], fields["token_ids"],
                         fields["block_size"])

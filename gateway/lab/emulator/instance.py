@@ -19,14 +19,16 @@ from gateway.lab.emulator.vllm_metrics import VllmMetrics
 
 
 class EmulatedInstance:
-    def __init__(self, cfg, faults: FaultsConfig, spec: EngineSpec, *, now: float, seed: int, key: str):
+    def __init__(self, cfg, faults: FaultsConfig, spec: EngineSpec, *, now: float, seed: int, key: str,
+                 kv_events_encoding: str = "map"):
         """`cfg`: the instance's config entry (at `key`, e.g. "instances[3]"); `spec`: its engine model
-        (settings.engine_for)."""
+        (settings.engine_for); `kv_events_encoding`: [emulator] kv_events_encoding."""
         self.cfg = cfg
         self.name: str = cfg.name
         self.model: str = cfg.model
         self.engine = Engine(spec, now=now, record_events=cfg.kv_events is not None)
-        self.events = (KvEventPublisher(cfg.kv_events, spec.block_size, f"{key}.kv_events")
+        self.events = (KvEventPublisher(cfg.kv_events, spec.block_size, f"{key}.kv_events",
+                                        kv_events_encoding)
                        if cfg.kv_events is not None else None)
         self.metrics = VllmMetrics(
             cfg.model,

