@@ -100,6 +100,28 @@ def test_dead_reckoning_spreads_a_burst_over_a_tier(latency_term):
     assert max(per_instance.values()) - min(per_instance.values()) <= 1
 
 
+def test_a_dispatch_re_predicts_only_the_requests_still_to_decide_that_may_go_there():
+    """The heads run over every (request, instance) once, then per dispatch over the undecided requests that
+    have the chosen instance among their candidates: the decisions are those of re-predicting every row."""
+    sevens = [i for i, inst in enumerate(CFG.instances) if inst.model == MODELS["7b"]]
+    threes = [i for i, inst in enumerate(CFG.instances) if inst.model == MODELS["3b"]]
+    batch = [request(sevens) for _ in range(6)] + [request(threes) for _ in range(2)]
+    est = flat_estimates(8, {m: 0.4 for m in CFG.models()}, {m: 150.0 for m in CFG.models()})
+    calls: list[int] = []
+
+    def heads(tier, rows):
+        calls.append(len(rows))
+        return 0.02 * (1 + 0.05 * rows[:, 4])
+
+    decisions = assign_batch(batch, est, idle_view(), RouteBalanceOptions(lpt=False), heads, RNG())
+    tiers = len({(i.model, i.gpu) for i in CFG.instances})
+    assert sum(calls[:tiers]) == 8 * len(CFG.instances)  # the batch on every instance, one call per tier
+    # Then, per dispatch, the later requests for the same model: 5, 4, ... 0 for the 7Bs, 1 then 0 for the 3Bs.
+    assert calls[tiers:] == [5, 4, 3, 2, 1, 1]
+    chosen = [d.ranked[0] for d in decisions]
+    assert set(chosen[:6]) == set(sevens) and len(set(chosen[6:])) == 2 and set(chosen[6:]) <= set(threes)
+
+
 def test_budget_keeps_what_it_can_pay_and_refuses_the_rest():
     est = flat_estimates(4, {MODELS["3b"]: 0.3, MODELS["7b"]: 0.35, MODELS["14b"]: 0.4, MODELS["72b"]: 0.45},
                          {m: 200.0 for m in CFG.models()})

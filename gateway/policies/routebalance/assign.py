@@ -86,9 +86,11 @@ class BatchLatency:
 
     The heads run once per tier at the start (one call over every request of
     the batch on every instance of the tier) and again for an instance each
-    time it gets a request. A prediction never falls after a dispatch: added
-    work cannot make an instance faster, and a tree's noise must not pull the
-    next request onto the instance that just got one.
+    time it gets a request, over the requests still to be decided that may go
+    there (a decided request's row is never read again). A prediction never
+    falls after a dispatch: added work cannot make an instance faster, and a
+    tree's noise must not pull the next request onto the instance that just
+    got one.
     """
 
     def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None):
@@ -112,17 +114,20 @@ class BatchLatency:
         if unknown.any():
             self.tpot = np.where(unknown, view.tpot_prior_s[None, :], self.tpot)
 
-    def _rows(self, view: PoolView, i: int) -> np.ndarray:
-        n = len(self.inputs)
+    def _rows(self, view: PoolView, i: int, requests: slice | np.ndarray = slice(None)) -> np.ndarray:
+        """The heads' feature rows of `requests` (all: the default) on instance i."""
+        inputs, length = self.inputs[requests], self.length[requests, i]
         state = view.state_row(i)
-        return np.column_stack([np.broadcast_to(state, (n, len(state))),
-                                self.inputs, self.length[:, i]]).astype(np.float32)
+        return np.column_stack([np.broadcast_to(state, (len(inputs), len(state))),
+                                inputs, length]).astype(np.float32)
 
-    def dispatched(self, view: PoolView, i: int) -> None:
-        """Re-predict instance i's column after `view.dispatched` added a request to it."""
-        if self.tpot_fn is not None:
-            fresh = self.tpot_fn(view.tiers[i], self._rows(view, i))
-            self.tpot[:, i] = np.fmax(self.tpot[:, i], fresh)  # fmax: a NaN (unknown tier) keeps the prior
+    def dispatched(self, view: PoolView, i: int, requests: np.ndarray) -> None:
+        """Re-predict instance i's column for `requests` (row indices) after `view.dispatched` added a request
+        to it."""
+        if self.tpot_fn is not None and len(requests):
+            fresh = self.tpot_fn(view.tiers[i], self._rows(view, i, requests))
+            # fmax: a NaN (unknown tier) keeps the prior
+            self.tpot[requests, i] = np.fmax(self.tpot[requests, i], fresh)
 
 
 def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
@@ -140,8 +145,8 @@ def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, 
         if chosen is not None:
             tokens = float(est.length[r, chosen])
             view.dispatched(chosen, tokens, req.input_tokens, req.prefix)
-            if k + 1 < len(batch):  # the last request's dispatch has no one left to inform
-                latency.dispatched(view, chosen)
+            later = np.array([q for q in order[k + 1:] if chosen in usable[q]], dtype=np.int64)
+            latency.dispatched(view, chosen, later)
     return [decisions[r] for r in range(len(batch))]
 
 
