@@ -19,18 +19,20 @@ from one target to the next), in alternating rounds (A B C D, A B C D, ...):
   rb-weighted     rb-approximate with [policies.routebalance] prefill_weight = 4 (a request's own prefill counted
                   four times: its first token weighed beside its end-to-end time);
   rb-off          the same with prefix_cache "off" (the cache term off: the paper's score);
+  rb-events       rb-approximate with prefix_cache "events" (the gateway's index fed by the instances' events);
   vr-cache_aware  vllm-router 0.1.17 --policy cache_aware, its defaults (cache threshold 0.3, balance thresholds
-                  abs 64 / rel 1.5; a character-level radix tree per worker);
+                  abs 64 / rel 1.5): a radix tree of the token ids each instance gives for a request (it asks every
+                  instance, vLLM's /tokenize, which the emulator serves); with no ids it takes the least loaded;
+  vr-kv_aware     vllm-router --policy kv_aware, its defaults, fed by the instances' KV-cache events
+                  (--kv-event-source per instance, --kv-event-block-size 16): the same token ids, matched against
+                  the blocks the events say each instance holds;
   vr-round_robin  vllm-router --policy round_robin, the cache-blind reference (--no-round-robin leaves it out).
+vllm-router's own decision counters (by outcome) are read from its Prometheus port after each run.
 
 Clients name the pool model (not "auto"), so the gateway balances within that model's instances only.
 
-vllm-router's `kv_aware` is not run: it cannot work against this pool offline. vllm-router 0.1.17 (a) decodes only
-the map encoding of vLLM's KV events (msgpack structs with named fields), not the array encoding the emulator
-publishes (vLLM's own default); (b) matches the events' block hashes by computing vLLM's block hashes itself
-(sha256_cbor / xxhash_cbor over token ids) from tokens it gets by tokenising each request with the model's
-tokenizer, which it fetches from the Hugging Face Hub: offline there is no Qwen tokenizer it can load, and it logged
-`outcome="missing_tokens"` for every request (so it would fall back to load balancing, a mislabelled arm).
+Every instance publishes vLLM's KV-cache events (`kv_events`, on a free loopback port; the map encoding vLLM sends
+since vllm-project/vllm#42892) in every run, whichever target reads them, so all targets face the same emulator.
 
 Workloads (--workload trace|multi-turn|both): the Mooncake conversation trace's first --rows rows (read_mooncake,
 scale 1/8; the window given to it is the instances' max_model_len less 64 tokens, room for the chat template,
@@ -88,15 +90,12 @@ MAX_TOKENS = 128
 # Every prompt opens with the same 24 tokens (Qwen2.5's default system turn, then "<|im_start|>user\n"): one full
 # 16-token block that any instance which has served anything holds. More cached tokens than that is real reuse.
 TEMPLATE_BLOCK = 16
+ENGINE_BLOCK = 16  # the emulated engines' KV-cache block (vLLM's default), which kv_aware must be told
 TEMPLATE_ROOM = 64  # tokens of Qwen2.5's chat template around one user message (29 with the default system turn)
-TARGETS = ("rb-approximate", "rb-weighted", "rb-off", "vr-cache_aware", "vr-round_robin")
+TARGETS = ("rb-approximate", "rb-weighted", "rb-events", "rb-off", "vr-cache_aware", "vr-kv_aware", "vr-round_robin")
 # The gateway's targets: [scheduler] prefix_cache and [policies.routebalance] prefill_weight.
 GATEWAY_TARGETS = {"rb-approximate": ("approximate", 1.0), "rb-weighted": ("approximate", 4.0),
-                   "rb-off": ("off", 1.0)}
-KV_AWARE_NOTE = ("vllm-router kv_aware not run: 0.1.17 decodes only the map encoding of KV events (the emulator "
-                 "sends vLLM's array encoding), and it recomputes vLLM's block hashes (sha256_cbor/xxhash_cbor) "
-                 "from tokens of its own tokenisation, with a tokenizer fetched from the Hub: offline it has no "
-                 "Qwen tokenizer (it logged outcome=\"missing_tokens\")")
+                   "rb-events": ("events", 1.0), "rb-off": ("off", 1.0)}
 INSTANCE_FIELDS = ("model", "gpu", "gpu_count", "tensor_parallel", "gpu_memory_gb", "gpu_memory_utilization",
                    "max_num_seqs", "max_model_len", "price_input_per_mtok", "price_output_per_mtok", "tpot_prior_ms")
 
@@ -130,6 +129,10 @@ class Run:
     wall_s: float
     per_instance: dict = field(default_factory=dict)  # name -> {"requests", "queries", "hits"}
     gateway: dict = field(default_factory=dict)  # the gateway's own means (ms): batch wait, estimate, score, decision
+    # vllm-router's own counters: its prefix decisions by outcome (cache_aware: prefix_hit, or the least loaded on
+    # a low match or an imbalance; kv_aware: prefix_cost, it scored the instances' cached blocks; either:
+    # missing_tokens, it had no token ids and took the least loaded) and kv_aware's index lookups by result
+    router: dict = field(default_factory=dict)
     load: list = field(default_factory=list)  # the machine's 1- and 5-minute load averages at the run's end (2 cores)
     error_kinds: dict = field(default_factory=dict)
 
@@ -149,11 +152,16 @@ def toml_value(v) -> str:
     return json.dumps(v) if isinstance(v, str) else repr(v)
 
 
-def pool_toml(fields: dict, ports: list[int]) -> str:
+def pool_toml(fields: dict, ports: list[int], event_ports: list[int]) -> str:
     tag = fields["model"].split("/")[-1].lower().replace(".", "")
     return "".join(f'\n[[instances]]\nname = "{tag}-{k}"\nurl = "http://127.0.0.1:{port}"\n'
+                   f'kv_events = "{events_endpoint(events)}"\n'
                    + "".join(f"{key} = {toml_value(v)}\n" for key, v in fields.items())
-                   for k, port in enumerate(ports))
+                   for k, (port, events) in enumerate(zip(ports, event_ports, strict=True)))
+
+
+def events_endpoint(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
 
 
 def gateway_toml(port: int, prefix_cache: str, pool: str, prefill_weight: float = 1.0) -> str:
@@ -175,6 +183,24 @@ models_dir = "{MODELS_DIR}"
 
 def instance_names(pool: str) -> list[str]:
     return [line.split('"')[1] for line in pool.splitlines() if line.startswith("name = ")]
+
+
+ROUTER_COUNTERS = {"vllm_router_prefix_routing_decisions_total": "outcome",
+                   "vllm_router_kv_placement_lookups_total": "result"}
+
+
+def router_counters(port: int) -> dict[str, float]:
+    """vllm-router's prefix decisions by outcome and kv_aware's index lookups by result, from its Prometheus
+    port."""
+    out: dict[str, float] = {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            label = ROUTER_COUNTERS.get(s.name)
+            if label is not None:
+                key = f"{'decision' if label == 'outcome' else 'lookup'} {s.labels.get(label, '?')}"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 # --- the emulator's counters ------------------------------------------------------------------------------------------
@@ -324,9 +350,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], times: np.ndarray, args,
              fields: dict, router: Path, logs: Path, procs: list[subprocess.Popen]) -> Run:
-    ports = free_ports(args.instances + 1)
-    front, backends = ports[0], ports[1:]
-    pool = pool_toml(fields, backends)
+    ports = free_ports(2 * args.instances + 2)
+    front, metrics_port = ports[0], ports[1]  # vllm-router's own Prometheus port (29000 unless told)
+    backends, event_ports = ports[2:args.instances + 2], ports[args.instances + 2:]
+    pool = pool_toml(fields, backends, event_ports)
     names = instance_names(pool)
     urls = {n: f"http://127.0.0.1:{p}" for n, p in zip(names, backends, strict=True)}
     tag = f"{workload}-{target}-r{rnd}"
@@ -344,10 +371,16 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
             procs.append(start(f"{tag}-gateway", [str(BIN / "routebalance"), "--log-level", "WARNING", "serve",
                                                   "--config", str(cfg)], front, logs, "/health", timeout_s=180.0))
         else:
+            policy = target.removeprefix("vr-")
+            events = [] if policy != "kv_aware" else [
+                *(a for url, port in zip(urls.values(), event_ports, strict=True)
+                  for a in ("--kv-event-source", f"{url}={events_endpoint(port)}")),
+                "--kv-event-model", fields["model"], "--kv-event-block-size", str(ENGINE_BLOCK)]
             procs.append(start(f"{tag}-vllm-router", [str(router), "--host", "127.0.0.1", "--port", str(front),
-                                                      "--worker-urls", *urls.values(), "--policy",
-                                                      target.removeprefix("vr-"), "--log-level", "warning"],
-                               front, logs, "/health", timeout_s=120.0))
+                                                      "--worker-urls", *urls.values(), "--policy", policy, *events,
+                                                      "--prometheus-port", str(metrics_port), "--log-level",
+                                                      "warning"],
+                               front, logs, "/health", timeout_s=120.0, env={"HF_HUB_OFFLINE": "1"}))
         base = f"http://127.0.0.1:{front}"
         check(base, fields["model"])
         time.sleep(1.0)
@@ -361,10 +394,12 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
         time.sleep(0.5)
         after = scrape(urls)
         gw = gateway_means(base) if target.startswith("rb-") else {}
+        kv = router_counters(metrics_port) if target.startswith("vr-") else {}
     finally:
         stop(procs)
     run = summarise(target, workload, rnd, outs, before, after, wall)
     run.gateway = gw
+    run.router = kv
     run.load = [round(x, 2) for x in os.getloadavg()[:2]]
     return run
 
@@ -430,6 +465,8 @@ def split_of(r: Run) -> str:
         g = r.gateway
         split += (f"  gw: wait {g['batch_wait_ms']:.0f} decision {g['decision_ms']:.0f} estimate/batch "
                   f"{g['estimate_ms']:.0f} ms, batch {g['batch_size']:.1f}")
+    if r.router:
+        split += "  router: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.router.items()))
     return split
 
 
@@ -483,7 +520,7 @@ def main() -> None:
     data = {w: workload_rows(w, args.rows, args.seed, fields["max_model_len"]) for w in workloads}
     times = {w: schedule(rows, args.rate) for w, rows in data.items()}
     logs = Path(tempfile.mkdtemp(prefix="prefix-live-"))
-    print(f"logs in {logs}\n{KV_AWARE_NOTE}", flush=True)
+    print(f"logs in {logs}", flush=True)
     for w in workloads:
         sent = int((times[w] <= args.max_seconds).sum())
         print(f"{w}: {len(data[w])} rows, {sent} within {args.max_seconds:g} s, over {times[w][-1]:.0f} s; mean "
@@ -494,7 +531,7 @@ def main() -> None:
                 "gpu": args.gpu, "rounds": args.rounds, "workloads": workloads, "targets": targets,
                 "max_seconds": args.max_seconds, "max_tokens": MAX_TOKENS, "seed": args.seed,
                 "request_timeout_s": REQUEST_TIMEOUT_S, "instance_fields": fields,
-                "vllm_router": "vllm-router==0.1.17", "kv_aware": KV_AWARE_NOTE}
+                "vllm_router": "vllm-router==0.1.17", "kv_events": "every instance publishes (map encoding)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # A SIGTERM ends the run through the finally below (the servers stopped), not with orphans left behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -512,7 +549,7 @@ def main() -> None:
     meds = medians(runs, workloads, targets)
     print(tables(runs, meds, workloads, args))
     write(args.out, settings, meds, runs, partial=False)
-    print(f"\n{KV_AWARE_NOTE}\nwrote {args.out}; logs in {logs}")
+    print(f"\nwrote {args.out}; logs in {logs}")
 
 
 if __name__ == "__main__":
