@@ -18,6 +18,11 @@ from one target to the next), in alternating rounds (A B C D, A B C D, ...):
                   sent where: Eq. 1's latency adds the prefill of what an instance does not hold);
   rb-weighted     rb-approximate with [policies.routebalance] prefill_weight = 4 (a request's own prefill counted
                   four times: its first token weighed beside its end-to-end time);
+  rb-prior        rb-approximate with [policies.routebalance] latency_term = "prior" (each tier's TPOT prior in
+                  place of the TPOT heads: the decode term is equal over one model's instances, so the prefill of
+                  what each does not hold, times its running requests, decides);
+  rb-monotone     rb-approximate with [policies.routebalance] tier_monotone = true (within a tier, no instance
+                  predicted a lower TPOT than one with fewer requests on it);
   rb-off          the same with prefix_cache "off" (the cache term off: the paper's score);
   rb-events       rb-approximate with prefix_cache "events" (the gateway's index fed by the instances' events);
   vr-cache_aware  vllm-router 0.1.17 --policy cache_aware, its defaults (cache threshold 0.3, balance thresholds
@@ -92,10 +97,13 @@ MAX_TOKENS = 128
 TEMPLATE_BLOCK = 16
 ENGINE_BLOCK = 16  # the emulated engines' KV-cache block (vLLM's default), which kv_aware must be told
 TEMPLATE_ROOM = 64  # tokens of Qwen2.5's chat template around one user message (29 with the default system turn)
-TARGETS = ("rb-approximate", "rb-weighted", "rb-events", "rb-off", "vr-cache_aware", "vr-kv_aware", "vr-round_robin")
-# The gateway's targets: [scheduler] prefix_cache and [policies.routebalance] prefill_weight.
-GATEWAY_TARGETS = {"rb-approximate": ("approximate", 1.0), "rb-weighted": ("approximate", 4.0),
-                   "rb-events": ("events", 1.0), "rb-off": ("off", 1.0)}
+TARGETS = ("rb-approximate", "rb-weighted", "rb-prior", "rb-monotone", "rb-events", "rb-off", "vr-cache_aware",
+           "vr-kv_aware", "vr-round_robin")
+# The gateway's targets: [scheduler] prefix_cache and [policies.routebalance]'s options.
+GATEWAY_TARGETS = {"rb-approximate": ("approximate", {}), "rb-weighted": ("approximate", {"prefill_weight": 4.0}),
+                   "rb-prior": ("approximate", {"latency_term": "prior"}),
+                   "rb-monotone": ("approximate", {"tier_monotone": True}),
+                   "rb-events": ("events", {}), "rb-off": ("off", {})}
 INSTANCE_FIELDS = ("model", "gpu", "gpu_count", "tensor_parallel", "gpu_memory_gb", "gpu_memory_utilization",
                    "max_num_seqs", "max_model_len", "price_input_per_mtok", "price_output_per_mtok", "tpot_prior_ms")
 
@@ -149,14 +157,18 @@ def instance_fields(model: str, gpu: str) -> dict:
 
 
 def toml_value(v) -> str:
-    return json.dumps(v) if isinstance(v, str) else repr(v)
+    return json.dumps(v) if isinstance(v, (str, bool)) else repr(v)
+
+
+def toml_lines(table: dict) -> str:
+    return "".join(f"{key} = {toml_value(v)}\n" for key, v in table.items())
 
 
 def pool_toml(fields: dict, ports: list[int], event_ports: list[int]) -> str:
     tag = fields["model"].split("/")[-1].lower().replace(".", "")
     return "".join(f'\n[[instances]]\nname = "{tag}-{k}"\nurl = "http://127.0.0.1:{port}"\n'
                    f'kv_events = "{events_endpoint(events)}"\n'
-                   + "".join(f"{key} = {toml_value(v)}\n" for key, v in fields.items())
+                   + toml_lines(fields)
                    for k, (port, events) in enumerate(zip(ports, event_ports, strict=True)))
 
 
@@ -164,7 +176,7 @@ def events_endpoint(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-def gateway_toml(port: int, prefix_cache: str, pool: str, prefill_weight: float = 1.0) -> str:
+def gateway_toml(port: int, prefix_cache: str, pool: str, options: dict | None = None) -> str:
     return f"""[server]
 host = "127.0.0.1"
 port = {port}
@@ -174,8 +186,7 @@ policy = "routebalance"
 prefix_cache = "{prefix_cache}"
 
 [policies.routebalance]
-prefill_weight = {prefill_weight}
-
+{toml_lines(options or {})}
 [estimators]
 models_dir = "{MODELS_DIR}"
 {pool}"""
@@ -366,8 +377,8 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
             httpx.get(f"{url}/health", timeout=5).raise_for_status()
         if target.startswith("rb-"):
             cfg = logs / f"{tag}-gateway.toml"
-            prefix_cache, prefill_weight = GATEWAY_TARGETS[target]
-            cfg.write_text(gateway_toml(front, prefix_cache, pool, prefill_weight))
+            prefix_cache, options = GATEWAY_TARGETS[target]
+            cfg.write_text(gateway_toml(front, prefix_cache, pool, options))
             procs.append(start(f"{tag}-gateway", [str(BIN / "routebalance"), "--log-level", "WARNING", "serve",
                                                   "--config", str(cfg)], front, logs, "/health", timeout_s=180.0))
         else:
