@@ -92,10 +92,10 @@ MODELS_DIR = ROOT / "models"
 BIN = Path(sys.executable).parent
 REQUEST_TIMEOUT_S = 60.0
 MAX_TOKENS = 128
-# Every prompt opens with the same 24 tokens (Qwen2.5's default system turn, then "<|im_start|>user\n"): one full
-# 16-token block that any instance which has served anything holds. More cached tokens than that is real reuse.
-TEMPLATE_BLOCK = 16
 ENGINE_BLOCK = 16  # the emulated engines' KV-cache block (vLLM's default), which kv_aware must be told
+# Every prompt opens with the same 24 tokens (Qwen2.5's default system turn, then "<|im_start|>user\n"): one full
+# block that any instance which has served anything holds. More cached tokens than that is real reuse.
+TEMPLATE_BLOCK = ENGINE_BLOCK
 TEMPLATE_ROOM = 64  # tokens of Qwen2.5's chat template around one user message (29 with the default system turn)
 TARGETS = ("rb-approximate", "rb-weighted", "rb-prior", "rb-monotone", "rb-events", "rb-off", "vr-cache_aware",
            "vr-kv_aware", "vr-round_robin")

@@ -20,7 +20,7 @@ from gateway.lab.emulator.vllm_metrics import VllmMetrics
 
 class EmulatedInstance:
     def __init__(self, cfg, faults: FaultsConfig, spec: EngineSpec, *, now: float, seed: int, key: str,
-                 kv_events_encoding: str = "map"):
+                 kv_events_encoding: str):
         """`cfg`: the instance's config entry (at `key`, e.g. "instances[3]"); `spec`: its engine model
         (settings.engine_for); `kv_events_encoding`: [emulator] kv_events_encoding."""
         self.cfg = cfg
