@@ -35,6 +35,16 @@ def test_heads_beat_the_static_prior_on_held_out_traces(model):
     # TPOT rises with load, so the sweep covered the regime the heads must learn.
     assert min(yt) == pytest.approx(inst.tpot_prior_ms / 1000, rel=0.02)  # a request that ran alone
     assert max(yt) > 2 * inst.tpot_prior_ms / 1000
+    # More of what the gateway sent there never prices an instance faster (estimators/latency.py, RISING) ...
+    busier = xt.copy()
+    for feature, more in (("in_flight", 1), ("pending_prefill_tokens", xt[:, FEATURES.index("prompt_tokens")]),
+                          ("pending_decode_tokens", xt[:, FEATURES.index("output_tokens")])):
+        busier[:, FEATURES.index(feature)] += more
+    assert (heads.tpot(tier, busier) >= heads.tpot(tier, xt)).all()
+    # ... and an idle instance is priced at its unloaded decode, not slower than a busy one.
+    idle = np.zeros_like(xt)
+    idle[:, -2:] = xt[:, -2:]  # the same requests, on an instance with nothing on it
+    assert np.median(heads.tpot(tier, idle)) == pytest.approx(inst.tpot_prior_ms / 1000, rel=0.05)
 
 
 def test_missing_head_falls_back_to_the_prior():

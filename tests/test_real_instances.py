@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import shutil
 import tomllib
@@ -283,6 +284,18 @@ def test_a_changed_prior_refits_that_tiers_head_alone(own_build, fits, tmp_path)
 
     ensure_built(edited(tmp_path, data, slower_3b))
     assert len(fits) == 1 and fits[0].startswith("Qwen/Qwen2.5-3B-Instruct@")
+
+
+def test_a_head_fitted_otherwise_is_refitted_alone(own_build, fits, tmp_path):
+    models_dir, data = own_build
+    path = models_dir / MANIFEST
+    manifest = json.loads(path.read_text())
+    tier = next(t for t in manifest["heads"] if "3B" in t)
+    manifest["heads"][tier]["fit"]["params"].pop("monotone_constraints")  # as fitted before the heads were constrained
+    path.write_text(json.dumps(manifest))
+    assert ensure_built(edited(tmp_path, data, lambda d: None))["heads"][tier]["fit"] == build.TierInputs(
+        tier, 0, None).fit()
+    assert fits == [tier]
 
 
 def test_a_gpu_of_unknown_size_gets_no_head_and_is_priced_with_its_prior(own_build, fits, tmp_path, caplog):

@@ -29,6 +29,13 @@ FEATURES = (
     "output_tokens",  # the request's predicted answer length
 )
 
+# What the gateway itself has sent to an instance is current, and more of it never makes the instance faster,
+# so a head never predicts a lower TPOT for more of it: without this, a head fitted on few nearly idle rows
+# priced an idle instance slower than a busy one and Eq. 1 piled a tier's traffic on one instance. The
+# scrape's counts are left free: they are up to a scrape old, and at a given in-flight count a higher one can
+# mean an instance that is draining (constraining them too cost 15-20% of held-out MAE).
+RISING = ("in_flight", "pending_prefill_tokens", "pending_decode_tokens")
+
 # Paper's settings (papers/README.md): squared error, depth 6, eta 0.1,
 # subsample and column sample 0.8, up to 500 rounds with early stopping.
 PARAMS = {
@@ -37,10 +44,13 @@ PARAMS = {
     "eta": 0.1,
     "subsample": 0.8,
     "colsample_bytree": 0.8,
+    "monotone_constraints": "(" + ",".join("1" if f in RISING else "0" for f in FEATURES) + ")",
     "nthread": 1,  # one thread: OpenMP spin-waits badly when cores are shared with onnxruntime
 }
 ROUNDS = 500
 EARLY_STOP = 30
+# How a head is fitted, beside its traces: a head fitted otherwise is stale (`train --if-stale` refits it).
+FIT = {"params": {k: v for k, v in PARAMS.items() if k != "nthread"}, "rounds": ROUNDS, "early_stop": EARLY_STOP}
 # Up to this many rows a call walks the trees with numpy (estimators/forest.py), above it XGBoost predicts: the
 # walk costs about 80 us for one row and 1 ms for 52, XGBoost 0.6-0.9 ms whatever the rows (`routebalance bench`).
 WALK_ROWS = 32

@@ -66,7 +66,7 @@ from gateway.estimators.crossfit import (
 from gateway.estimators.embedder import Embedder, default_tokenizer_path
 from gateway.estimators.heads import LengthHeads, QualityHeads, save_heads
 from gateway.estimators.knn import KnnEstimate, KnnEstimator
-from gateway.estimators.latency import LatencyHeads, fit_head, save_head
+from gateway.estimators.latency import FIT, LatencyHeads, fit_head, save_head
 from gateway.estimators.manifest import (
     FORMAT,
     INT8_ONNX_FILE,
@@ -80,7 +80,7 @@ from gateway.estimators.manifest import (
 from gateway.estimators.minilm_export import export_minilm_onnx, quantize_int8
 from gateway.lab.emulator.settings import emulator_of, engine_for
 from gateway.lab.training.routing_report import format_routing, picks, pricing_of, routing_report
-from gateway.lab.training.traces import read_traces, to_arrays, virtual_sweep
+from gateway.lab.training.traces import SWEEP_LOAD, read_traces, to_arrays, virtual_sweep
 from gateway.learning.labels import prompt_hash
 from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
 
@@ -151,16 +151,21 @@ class TierInputs:
             return None
         return hashlib.sha256(orjson.dumps(list(self.profiled), option=orjson.OPT_SORT_KEYS)).hexdigest()
 
+    def fit(self) -> dict:
+        """How the head is fitted besides its rows: XGBoost's settings, and for a sweep the loads it visits."""
+        return {**FIT, **({} if self.profiled else {"sweep_loads": list(SWEEP_LOAD)})}
+
     def served_by(self, head: dict | None) -> bool:
         """`head` (the tier's record in the manifest, if any) is current for these inputs."""
         if head is None:
             return False
         if self.profiled:
-            return head["traces_sha256"] == self.traces_sha256()
-        if head["traces_sha256"]:  # measured on the real instance: better than any sweep
+            return head["traces_sha256"] == self.traces_sha256() and head.get("fit") == self.fit()
+        if head["traces_sha256"]:  # measured on the real instance: better than any sweep (and only its traces refit it)
             return True
         # The sweep's engine model decodes at the prior and slows down with batch size by the tier's slope.
-        return head["tpot_prior_ms"] == self.tpot_prior_ms and head["batch_slope"] == self.batch_slope
+        return (head.get("fit") == self.fit() and head["tpot_prior_ms"] == self.tpot_prior_ms
+                and head["batch_slope"] == self.batch_slope)
 
     @property
     def batch_slope(self) -> float | None:
@@ -364,7 +369,7 @@ def add_heads(manifest: dict, tiers, records: list[Record], seed: int, out_dir: 
         name = save_head(booster, out_dir, tier.key)
         manifest["heads"][tier.key] = {"file": name, "tpot_prior_ms": tier.tpot_prior_ms,
                                        "batch_slope": None if tier.profiled else tier.batch_slope,
-                                       "traces_sha256": tier.traces_sha256()}
+                                       "traces_sha256": tier.traces_sha256(), "fit": tier.fit()}
         manifest["files"][name] = sha256_of(out_dir / name)
         manifest["report"]["heads"][tier.key] = report
 
@@ -429,7 +434,7 @@ def _train(config, out_dir: Path, workload: str | None, trace_files, progress: C
         "chosen": {part: {"name": c.name, "kind": c.kind, "params": c.params}
                    for part, c in zip(("quality", "length"), fitted.chosen, strict=True)},
         "version": 1,  # a refresh counts up from here (serving/refresh.py)
-        "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256}
+        "heads": {},  # tier -> {file, tpot_prior_ms, batch_slope, traces_sha256, fit}
         "files": {name: sha256_of(out_dir / name) for name in (onnx_path.name, *knn_files.values())},
         "report": {"knn": fitted.report, "heads": {}, "embed_train_s": fitted.embed_s},
     }

@@ -23,7 +23,10 @@ from gateway.core.pool_state import EngineSnapshot, InstanceState
 from gateway.core.view import tier_key
 from gateway.estimators.latency import FEATURES
 
-SWEEP_LOAD = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)  # shares of the tier's estimated request capacity
+# Shares of the tier's estimated request capacity. The lowest three are there for the nearly idle instance
+# (none or one request on it), which the others hardly visit: a tier of several instances at light load is all
+# such instances, and a head that has seen few of them prices them wrongly (estimators/latency.py, RISING).
+SWEEP_LOAD = (0.005, 0.01, 0.02, 0.05, 0.2, 0.4, 0.6, 0.8, 0.95)
 
 
 def capacity_rps(spec: EngineSpec, mean_output_tokens: float) -> float:
