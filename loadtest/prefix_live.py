@@ -21,8 +21,6 @@ from one target to the next), in alternating rounds (A B C D, A B C D, ...):
   rb-prior        rb-approximate with [policies.routebalance] latency_term = "prior" (each tier's TPOT prior in
                   place of the TPOT heads: the decode term is equal over one model's instances, so the prefill of
                   what each does not hold, times its running requests, decides);
-  rb-monotone     rb-approximate with [policies.routebalance] tier_monotone = true (within a tier, no instance
-                  predicted a lower TPOT than one with fewer requests on it);
   rb-off          the same with prefix_cache "off" (the cache term off: the paper's score);
   rb-events       rb-approximate with prefix_cache "events" (the gateway's index fed by the instances' events);
   vr-cache_aware  vllm-router 0.1.17 --policy cache_aware, its defaults (cache threshold 0.3, balance thresholds
@@ -97,12 +95,11 @@ ENGINE_BLOCK = 16  # the emulated engines' KV-cache block (vLLM's default), whic
 # block that any instance which has served anything holds. More cached tokens than that is real reuse.
 TEMPLATE_BLOCK = ENGINE_BLOCK
 TEMPLATE_ROOM = 64  # tokens of Qwen2.5's chat template around one user message (29 with the default system turn)
-TARGETS = ("rb-approximate", "rb-weighted", "rb-prior", "rb-monotone", "rb-events", "rb-off", "vr-cache_aware",
-           "vr-kv_aware", "vr-round_robin")
+TARGETS = ("rb-approximate", "rb-weighted", "rb-prior", "rb-events", "rb-off", "vr-cache_aware", "vr-kv_aware",
+           "vr-round_robin")
 # The gateway's targets: [scheduler] prefix_cache and [policies.routebalance]'s options.
 GATEWAY_TARGETS = {"rb-approximate": ("approximate", {}), "rb-weighted": ("approximate", {"prefill_weight": 4.0}),
                    "rb-prior": ("approximate", {"latency_term": "prior"}),
-                   "rb-monotone": ("approximate", {"tier_monotone": True}),
                    "rb-events": ("events", {}), "rb-off": ("off", {})}
 INSTANCE_FIELDS = ("model", "gpu", "gpu_count", "tensor_parallel", "gpu_memory_gb", "gpu_memory_utilization",
                    "max_num_seqs", "max_model_len", "price_input_per_mtok", "price_output_per_mtok", "tpot_prior_ms")

@@ -122,26 +122,6 @@ def test_a_dispatch_re_predicts_only_the_requests_still_to_decide_that_may_go_th
     assert set(chosen[:6]) == set(sevens) and len(set(chosen[6:])) == 2 and set(chosen[6:]) <= set(threes)
 
 
-def test_tier_monotone_keeps_a_busy_instance_from_looking_faster_than_an_idle_one():
-    """Heads that predict an idle instance slower than a busy one draw a tier's traffic onto the busy one; with
-    tier_monotone an instance is never predicted faster than one of its tier with fewer requests on it."""
-    sevens = [i for i, inst in enumerate(CFG.instances) if inst.model == MODELS["7b"]]
-    est = flat_estimates(1, {m: 0.4 for m in CFG.models()}, {m: 150.0 for m in CFG.models()})
-
-    def inverted(tier, rows):  # 17 ms idle, 14 ms with anything running (rows[:, 0]: running)
-        return np.where(rows[:, 0] > 0, 0.014, 0.017)
-
-    def choose(monotone: bool) -> int:
-        view = idle_view()
-        view.running[sevens[0]] = 3  # one busy 7B instance, the rest idle
-        [d] = assign_batch([request(sevens)], est, view, RouteBalanceOptions(tier_monotone=monotone), inverted,
-                           RNG())
-        return d.ranked[0]
-
-    assert choose(False) == sevens[0]
-    assert choose(True) != sevens[0]
-
-
 def test_budget_keeps_what_it_can_pay_and_refuses_the_rest():
     est = flat_estimates(4, {MODELS["3b"]: 0.3, MODELS["7b"]: 0.35, MODELS["14b"]: 0.4, MODELS["72b"]: 0.45},
                          {m: 200.0 for m in CFG.models()})

@@ -67,7 +67,6 @@ class RouteBalanceOptions(Section):
     budget_filter: bool = True
     prefill_term: PrefillTerm = "cached"
     prefill_weight: float = option(1.0, ge=1)
-    tier_monotone: bool = False
     seed: int = 0
 
     @property
@@ -94,11 +93,8 @@ class BatchLatency:
     got one.
     """
 
-    def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None,
-                 monotone: bool = False):
-        """`monotone`: RouteBalanceOptions.tier_monotone."""
+    def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None):
         self.tpot_fn = tpot
-        self.monotone = monotone
         self.inputs = np.array([r.input_tokens for r in batch], dtype=np.float64)
         self.length = est.length
         n, n_inst = est.length.shape
@@ -111,24 +107,12 @@ class BatchLatency:
             rows = np.concatenate([self._rows(view, i) for i in cols])
             self.tpot[:, cols] = tpot(tier, rows).reshape(len(cols), n).T
         self._fill_unknown(view)
-        if monotone:
-            for tier in dict.fromkeys(view.tiers):
-                self._monotone(view, tier)
 
     def _fill_unknown(self, view: PoolView) -> None:
         """A tier the heads do not know (added by a reload) answers NaN: use its configured prior."""
         unknown = np.isnan(self.tpot)
         if unknown.any():
             self.tpot = np.where(unknown, view.tpot_prior_s[None, :], self.tpot)
-
-    def _monotone(self, view: PoolView, tier: str) -> None:
-        """Lift each of the tier's instances to the highest TPOT of those with fewer requests on them."""
-        cols = np.array([i for i, t in enumerate(view.tiers) if t == tier])
-        load = view.active[cols]
-        for p in np.argsort(load, kind="stable"):
-            fewer = cols[load < load[p]]
-            if len(fewer):
-                self.tpot[:, cols[p]] = np.fmax(self.tpot[:, cols[p]], self.tpot[:, fewer].max(axis=1))
 
     def _rows(self, view: PoolView, i: int, requests: slice | np.ndarray = slice(None)) -> np.ndarray:
         """The heads' feature rows of `requests` (all: the default) on instance i."""
@@ -144,16 +128,13 @@ class BatchLatency:
             fresh = self.tpot_fn(view.tiers[i], self._rows(view, i, requests))
             # fmax: a NaN (unknown tier) keeps the prior
             self.tpot[requests, i] = np.fmax(self.tpot[requests, i], fresh)
-        if self.monotone:
-            self._monotone(view, view.tiers[i])
 
 
 def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
                  tpot: TpotFn | None, rng: np.random.Generator) -> list[Decision]:
     """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place;
     `rng` breaks the ties that remain after the tie-break keys."""
-    latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None,
-                           options.tier_monotone and options.uses_heads)
+    latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
     order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
     decisions: dict[int, Decision] = {}
