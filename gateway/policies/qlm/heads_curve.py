@@ -28,7 +28,6 @@ from gateway.core.view import STATE_FEATURES, tier_key
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TYPICAL_PROMPT_TOKENS = 256
 FIXED_POINT_ROUNDS = 5  # the decode rate a state shows depends on the TPOT the head gives it
-WINDOW = 1.5  # how far past the cap's step the fit looks (x slowdown x the lone step)
 
 
 def steady_state(batch: int, tpot_s: float, spec: EngineSpec, prompt_tokens: float,
@@ -49,11 +48,12 @@ def heads_curve(heads, inst, spec: EngineSpec, answer_tokens: float, slowdown: f
     """(lone step in seconds, batch slope as a share of it) fitted through the heads' steady-state answers,
     or None when the instance's tier has no head.
 
-    The fit keeps the batches QLM plans with: those whose step stays within WINDOW x `slowdown` x the lone
-    step (the cap is where it reaches `slowdown` x, rct.InstanceModel.of). Beyond the loads a head was
-    trained on its trees answer flat, and a line through those answers would bend the part QLM uses. The
-    line is Theil-Sen's (the median of the slopes between pairs of points), so one odd answer of a tree
-    does not tilt it."""
+    The fit keeps the batches QLM plans with: those up to the first whose step reaches `slowdown` x the
+    lone step (the cap is there, rct.InstanceModel.of). Beyond the loads a head was trained on its trees
+    answer flat, and a line through those answers would bend the part QLM uses (a head that is monotone in
+    its load features flattens below 1.5 x `slowdown` x the lone step, so a bound on the step alone let the
+    flat answers in and doubled the cap). The line is Theil-Sen's (the median of the slopes between pairs
+    of points), so one odd answer of a tree does not tilt it."""
     tier = tier_key(inst.model, inst.gpu)
     if tier not in heads.boosters:
         return None
@@ -64,7 +64,8 @@ def heads_curve(heads, inst, spec: EngineSpec, answer_tokens: float, slowdown: f
         for _ in range(FIXED_POINT_ROUNDS):
             tpot = float(heads.tpot(tier, steady_state(int(b), tpot, spec, prompt_tokens, answer_tokens))[0])
         steps[k] = tpot
-    used = steps <= WINDOW * slowdown * steps[0]
+    reached = np.flatnonzero(steps >= slowdown * steps[0])
+    used = slice(0, reached[0] + 1 if len(reached) else len(steps))
     x, y = batches[used] - 1, steps[used]
     if len(x) < 2:
         return float(steps[0]), 0.0
