@@ -169,9 +169,11 @@ def test_a_follow_up_whose_instance_is_down_is_told_so_and_after_its_restart_the
     name, first = raw.headers["X-Route-Instance"], raw.parse()
     pool.call(pool.pool.set_faults(name, down=True))
     try:
-        with pytest.raises(openai.APIStatusError) as e:  # the gateway learns it is down: it is refused
+        with pytest.raises(openai.APIStatusError) as e:  # the gateway learns it is down: it is refused, naming it
             c.responses.create(model="auto", input="Go on.", previous_response_id=first.id)
-        assert e.value.status_code == 502 and name in e.value.message
+        # 502 when the follow-up's own attempt found it down; 503 when a scrape of its metrics found it first
+        assert e.value.status_code == 502 or e.value.code == "previous_response_unavailable"
+        assert name in e.value.message
         with pytest.raises(openai.APIStatusError) as e:  # then it is cooling down: said at once
             c.responses.create(model="auto", input="Go on.", previous_response_id=first.id)
         assert e.value.status_code == 503 and e.value.code == "previous_response_unavailable"

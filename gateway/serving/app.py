@@ -323,7 +323,14 @@ class Gateway:
                     raise spend.refusal()
                 raise refusal_error(refused)
             call = DecidedCall(ticket, req, spend, route, request, slo, attempt, trace)
-            resp = await self.dispatcher.serve(call)
+            try:
+                resp = await self.dispatcher.serve(call)
+            except ApiError as e:
+                if e.code == "no_healthy_instance" and isinstance(req, ResponsesRequest) and req.previous_response_id:
+                    # the instance holding the response went down after the check above (a scrape saw it first):
+                    # say so as the check does
+                    stored_at(cfg, req.previous_response_id, candidates, self.scheduler.routable)
+                raise
             result = attempt.result
             attempt.status = result.failed_status or resp.status
             self.metrics.e2e.labels(route).observe(loop.time() - start)
