@@ -378,3 +378,46 @@ def test_a_heavier_own_prefill_keeps_a_turn_where_its_history_is():
     assert picks[1.0] != 1 and picks[4.0] != 1 and picks[6.0] == 1
     with pytest.raises(ValueError, match="prefill_weight"):
         RouteBalanceOptions(prefill_weight=0.5)
+
+
+# ---- pending prefill: what an instance must compute, not the whole prompt ------------------------------------
+
+
+def test_dead_reckoning_counts_only_the_prefill_an_instance_must_compute():
+    """A turn sent where its history is held adds its new tokens to the instance's pending prefill, not its whole
+    prompt: the TPOT heads must not read a warm turn as a long prefill ahead of the batch."""
+    history = tokens(0, 1600)
+    view = view_of(pool(2))
+    hold(view, 0, history)
+    turn = request(history + tokens(9000, 40), n=2)
+    view.dispatched(0, 10.0, turn.input_tokens, turn.prefix)
+    view.dispatched(1, 10.0, turn.input_tokens, turn.prefix)
+    assert list(view.pending_prefill) == [40, 1640]
+    # The batch's own dispatches count: a branch of the same turn sent after it to the cold one computes 48 tokens
+    # (the first prompt's 102 full blocks are reused; its last, partial block is not).
+    branch = request(history + tokens(9000, 40) + tokens(20_000, 40), n=2)
+    view.dispatched(1, 10.0, branch.input_tokens, branch.prefix)
+    assert view.pending_prefill[1] == 1640 + 48
+
+
+def test_the_scheduler_books_the_prefill_an_instance_must_compute_unless_prefixes_are_off():
+    import dataclasses
+
+    from gateway.core.loop import SchedulingLoop
+    from gateway.core.pool_state import PoolState
+    from gateway.core.request import DispatchPlan, Ticket
+
+    base = load_config(default_config_path())
+    history = tokens(0, 1600)
+    prompts = [history + tokens(9000, 40), history + tokens(9000, 40) + tokens(20_000, 40)]
+    booked = {}
+    for mode in ("approximate", "off"):
+        cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, prefix_cache=mode))
+        block = cfg.scheduler.prefix_block_tokens
+        pool_state = PoolState()
+        loop = SchedulingLoop(registry, pool_state, max_queue=8, resolve=lambda _cfg, _model: (0,))
+        for k, toks in enumerate(prompts):
+            req = RouteRequest((0,), "p", len(toks), 16, (1.0, 0.0, 0.0), prefix=block_hashes(toks, block))
+            loop.dispatched(Ticket(req, "auto", True, cfg), DispatchPlan(0, 16, False), float(k))
+        booked[mode] = pool_state.of(cfg.instances[0].name).own_share().prefill_tokens
+    assert booked == {"approximate": 1640 + 48, "off": 1640 + 1680}

@@ -373,10 +373,12 @@ class SchedulingLoop:
             return
         self._unbook(ticket)
         tokens = ticket.decision.tokens if ticket.decision and ticket.decision.tokens else 0.0
-        self.pool_state.of(name).dispatched(ticket, ticket.request.input_tokens, tokens, now, ticket.streaming)
-        scheduler = ticket.config.scheduler
-        if ticket.request.prefix and scheduler.prefix_cache != "off":
-            self.pool_state.sent_prompt(name, ticket.request.prefix, scheduler.prefix_index_max_blocks)
+        req, scheduler, state = ticket.request, ticket.config.scheduler, self.pool_state.of(name)
+        knows = bool(req.prefix) and scheduler.prefix_cache != "off" and ticket.config.instances[i].prefix_caching
+        held = state.held_tokens(req.prefix, req.input_tokens, scheduler) if knows else 0
+        state.dispatched(ticket, req.input_tokens - held, tokens, now, ticket.streaming)
+        if req.prefix and scheduler.prefix_cache != "off":
+            self.pool_state.sent_prompt(name, req.prefix, scheduler.prefix_index_max_blocks)
         ticket.booked_on = name
 
     def _unbook(self, ticket: Ticket) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from gateway.core.budget import price_arrays
 from gateway.core.engine.profiles import prefill_s_per_token
-from gateway.core.prefix import REPORTED_SLACK, PrefixIndex, ReportedBlocks
+from gateway.core.prefix import REPORTED_SLACK, PrefixIndex, ReportedBlocks, cacheable_blocks
 from gateway.core.settings import HealthRules, InstanceSettings, SchedulerSettings
 from gateway.core.view import PoolView, tier_key
 
@@ -108,7 +108,7 @@ NO_SCRAPE = EngineSnapshot(0, 0, 0, 0, 0)
 
 @dataclass(slots=True)
 class InFlight:
-    prompt_tokens: int
+    prefill_tokens: float  # prompt tokens it must compute: its prompt minus the prefix the instance is believed to hold
     output_tokens: float  # predicted answer tokens
     started_at: float = 0.0
     streamed: int = 0  # answer tokens seen coming back
@@ -121,7 +121,7 @@ class Share:
     tells the others (with a shared state backend), so each one's view counts the whole fleet's."""
 
     requests: float = 0.0
-    prefill_tokens: float = 0.0  # prompt tokens of requests without a first token yet
+    prefill_tokens: float = 0.0  # prompt tokens still to compute of requests without a first token yet
     decode_tokens: float = 0.0  # predicted answer tokens still to come
 
     def __add__(self, other: Share) -> Share:
@@ -168,9 +168,11 @@ class InstanceState:
             self.decode_rate = max(0.0, (snap.generation_tokens - self.last.generation_tokens) / (now - self.last_at))
         self.last, self.last_at = snap, now
 
-    def dispatched(self, rid, prompt_tokens: int, output_tokens: float, now: float = 0.0,
+    def dispatched(self, rid, prefill_tokens: float, output_tokens: float, now: float = 0.0,
                    streaming: bool = True) -> None:
-        self.in_flight[rid] = InFlight(prompt_tokens, output_tokens, now, streaming=streaming)
+        """A request went to it: `prefill_tokens` of its prompt to compute (what it holds cached is not prefill
+        work, so a warm turn does not read as a long prefill ahead of the batch) and `output_tokens` predicted."""
+        self.in_flight[rid] = InFlight(prefill_tokens, output_tokens, now, streaming=streaming)
 
     def streamed(self, rid, tokens: int) -> None:
         if rid in self.in_flight:
@@ -188,6 +190,14 @@ class InstanceState:
         if self.sent is None:
             self.sent = PrefixIndex(self.bound(max_blocks))
         self.sent.record(prefix)
+
+    def held_tokens(self, prefix: Sequence[int], prompt_tokens: int, scheduler: SchedulerSettings) -> int:
+        """Prompt tokens it is believed to hold of a prompt with these blocks (the index the scheduler reads)."""
+        index = self.prefix_index(scheduler.prefix_cache)
+        if index is None:
+            return 0
+        block = scheduler.prefix_block_tokens
+        return index.match(prefix[:cacheable_blocks(prompt_tokens, block)]) * block
 
     def prefix_index(self, mode: str) -> PrefixIndex | None:
         """The index the scheduler reads: the reported one while its events are healthy (mode "events"), else
@@ -221,7 +231,7 @@ class InstanceState:
         for f in self.in_flight.values():
             done = f.streamed if f.streaming or tpot_s <= 0 else max(f.streamed, (now - f.started_at) / tpot_s)
             if done == 0:
-                prefill += f.prompt_tokens
+                prefill += f.prefill_tokens
             decode += max(f.output_tokens - done, 0.0)
         return Share(len(self.in_flight), prefill, decode)
 

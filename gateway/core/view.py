@@ -23,7 +23,7 @@ STATE_FEATURES = (
     "kv_usage",  # vllm:kv_cache_usage_perc at the last scrape (0..1)
     "decode_rate",  # generation tokens/s between the last two scrapes
     "in_flight",  # requests the gateway has on the instance now
-    "pending_prefill_tokens",  # prompt tokens of those without a first token yet
+    "pending_prefill_tokens",  # prompt tokens still to compute (less what is cached) of those without a first token
     "pending_decode_tokens",  # predicted answer tokens still to stream for those in flight
 )
 
@@ -81,14 +81,20 @@ class PoolView:
         if not self.prefixes or not prefix:
             return out
         hashes = prefix[:cacheable_blocks(input_tokens, self.block_size)]
-        for i, index in enumerate(self.prefixes):
-            if index is None:
-                continue
-            n = index.match(hashes)
-            for other in self.sent.get(i, ()):
-                n = max(n, _common(other, hashes))
-            out[i] = n * self.block_size
+        for i in range(len(self.instances)):
+            out[i] = self._held(i, hashes)
         return out
+
+    def _held(self, i: int, hashes: Sequence[int]) -> float:
+        """Tokens of the leading `hashes` (cacheable blocks) instance i is believed to hold, counting the prompts
+        this working copy dispatched there."""
+        index = self.prefixes[i] if self.prefixes else None
+        if index is None:
+            return 0.0
+        n = index.match(hashes)
+        for other in self.sent.get(i, ()):
+            n = max(n, _common(other, hashes))
+        return float(n * self.block_size)
 
     def usable(self, candidates: Sequence[int]) -> list[int]:
         """Candidates that are available, or all of them if none is (better to try than to refuse)."""
@@ -97,8 +103,11 @@ class PoolView:
 
     def dispatched(self, i: int, tokens: float, input_tokens: float = 0.0, prefix: tuple[int, ...] = ()) -> None:
         """Dead reckoning: instance i got one more request of `tokens` predicted answer tokens (and its prompt's
-        blocks, which it will hold cached)."""
+        blocks, which it will hold cached). Its pending prefill is what it must compute: the prompt less what
+        the instance holds."""
+        held = 0.0
         if prefix and self.prefixes and self.prefixes[i] is not None:
+            held = self._held(i, prefix[:cacheable_blocks(int(input_tokens), self.block_size)])
             self.sent.setdefault(i, []).append(prefix)
         # A request queues behind others already waiting (no free KV), or when every slot runs.
         if self.running[i] < self.max_num_seqs[i] and self.waiting[i] == 0:
@@ -106,7 +115,7 @@ class PoolView:
         else:
             self.waiting[i] += 1
         self.in_flight[i] += 1
-        self.pending_prefill[i] += input_tokens
+        self.pending_prefill[i] += input_tokens - held
         self.pending_decode[i] += tokens
 
 
