@@ -105,3 +105,23 @@ def test_live_profile_against_the_emulator(stack):
     # delivers on a 10 ms tick, so single gaps jitter but the mean holds).
     assert np.median([r["tpot_s"] for r in rows]) == pytest.approx(inst.tpot_prior_ms / 1000, rel=0.25)
     assert any(r["in_flight"] > 0 for r in rows) and all(r["running"] >= 0 for r in rows)
+
+
+def test_a_builds_sweeps_give_the_same_rows_in_one_process_or_several(monkeypatch):
+    """A build sweeps its tiers in one process per core (spawned: the parent holds onnxruntime's threads); each
+    sweep is seeded on its own, so the heads do not depend on the machine's core count."""
+    import os
+    import types
+
+    from gateway.lab.training import build
+
+    tiers = [t for t in build.inputs_from_config(CFG).tiers if t.buildable][:2]
+    short = types.SimpleNamespace(output_length=3)  # short answers: a sweep of a few thousand steps
+    records = [types.SimpleNamespace(input_len=40 + k, models={t.sweep_instance.model: short for t in tiers})
+               for k in range(5)]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    several = build.sweep_tiers(tiers, records, seed=3)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    one = build.sweep_tiers(tiers, records, seed=3)
+    assert several == one and set(one) == {t.key for t in tiers}
+    assert all(len(train) == len(test) > 0 for train, test in one.values())

@@ -37,9 +37,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import multiprocessing
+import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +53,7 @@ import xgboost as xgb
 from gateway.artefacts import ArtefactError
 from gateway.config.sections import Instance
 from gateway.core.engine.engine import EngineSpec
-from gateway.core.engine.profiles import arch_for
+from gateway.core.engine.profiles import arch_for, spec_for_instance
 from gateway.core.view import tier_key
 from gateway.estimators.crossfit import (
     LENGTH_CANDIDATES,
@@ -80,7 +83,7 @@ from gateway.estimators.manifest import (
 from gateway.estimators.minilm_export import export_minilm_onnx, quantize_int8
 from gateway.lab.emulator.settings import emulator_of, engine_for
 from gateway.lab.training.routing_report import format_routing, picks, pricing_of, routing_report
-from gateway.lab.training.traces import SWEEP_LOAD, read_traces, to_arrays, virtual_sweep
+from gateway.lab.training.traces import SWEEP_LOAD, SweepTarget, read_traces, to_arrays, virtual_sweep
 from gateway.learning.labels import prompt_hash
 from gateway.records import MAX_OUTPUT_TOKENS, Record, model_names, read_jsonl, split
 
@@ -334,17 +337,49 @@ def tier_lengths(records: list[Record], model: str, seed: int) -> list[tuple[int
     return list(zip(ins.tolist(), outs.tolist(), strict=True))
 
 
-def fit_tier_head(tier: TierInputs, records: list[Record], seed: int) -> tuple[xgb.Booster, dict]:
-    """One tier's head and its accuracy on held-out traces, against the tier's static prior."""
+Rows = list[dict]
+
+
+def sweep_tiers(tiers: list[TierInputs], records: list[Record], seed: int,
+                progress: Callable[..., None] = _quiet) -> dict[str, tuple[Rows, Rows]]:
+    """Each swept tier's training and held-out traces: virtual sweeps of its engine model, run in one process
+    per core. A sweep is pure Python stepping the engine (most of a build's time after the embedding), and each
+    is seeded on its own, so the rows are the same however many processes share them."""
+    jobs: dict[tuple[str, str], dict] = {}  # virtual_sweep's arguments
+    for tier in tiers:
+        if not tier.profiled:
+            inst = tier.sweep_instance
+            lengths = tier_lengths(records, inst.model, seed)
+            common = {"inst": SweepTarget(inst.model, inst.gpu), "engine": tier.engine or spec_for_instance(inst)}
+            jobs[tier.key, "train"] = {**common, "lengths": lengths, "seed": seed}
+            jobs[tier.key, "test"] = {**common, "lengths": lengths[::-1], "seed": seed + 1}
+    rows: dict[tuple[str, str], Rows] = {}
+    workers = min(len(jobs), os.cpu_count() or 1)
+    progress("sweeping the engine model for TPOT heads", 0, len(jobs))
+    if workers <= 1:
+        for k, (key, job) in enumerate(jobs.items()):
+            rows[key] = virtual_sweep(**job)
+            progress("sweeping the engine model for TPOT heads", k + 1, len(jobs))
+    else:
+        # spawn, not fork: the parent may hold onnxruntime's and XGBoost's threads
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(virtual_sweep, **job): key for key, job in jobs.items()}
+            for k, future in enumerate(as_completed(futures)):
+                rows[futures[future]] = future.result()
+                progress("sweeping the engine model for TPOT heads", k + 1, len(jobs))
+    return {tier.key: (rows[tier.key, "train"], rows[tier.key, "test"]) for tier in tiers if not tier.profiled}
+
+
+def fit_tier_head(tier: TierInputs, swept: tuple[Rows, Rows] | None, seed: int) -> tuple[xgb.Booster, dict]:
+    """One tier's head and its accuracy on held-out traces, against the tier's static prior. `swept`: its
+    (training, held-out) sweep rows; None for a tier profiled live."""
     if tier.profiled:  # live traces: every fifth row (in file order) is held out
         train_rows = [r for i, r in enumerate(tier.profiled) if i % 5]
         test_rows = [r for i, r in enumerate(tier.profiled) if i % 5 == 0]
         source = "profiled"
     else:
-        inst = tier.sweep_instance
-        lengths = tier_lengths(records, inst.model, seed)
-        train_rows = virtual_sweep(inst, lengths, seed=seed, engine=tier.engine)
-        test_rows = virtual_sweep(inst, lengths[::-1], seed=seed + 1, engine=tier.engine)
+        assert swept is not None
+        train_rows, test_rows = swept
         source = "virtual sweep of the emulator engine"
     booster = fit_head(*to_arrays(train_rows), seed=seed)
     xt, yt = to_arrays(test_rows)
@@ -363,9 +398,10 @@ def add_heads(manifest: dict, tiers, records: list[Record], seed: int, out_dir: 
               progress: Callable[..., None] = _quiet) -> None:
     """Fit each tier's head into out_dir and record it in `manifest`, replacing the tier's older one."""
     tiers = list(tiers)
+    swept = sweep_tiers(tiers, records, seed, progress)
     for k, tier in enumerate(tiers):
         progress("fitting TPOT heads", k, len(tiers))
-        booster, report = fit_tier_head(tier, records, seed)
+        booster, report = fit_tier_head(tier, swept.get(tier.key), seed)
         name = save_head(booster, out_dir, tier.key)
         manifest["heads"][tier.key] = {"file": name, "tpot_prior_ms": tier.tpot_prior_ms,
                                        "batch_slope": None if tier.profiled else tier.batch_slope,

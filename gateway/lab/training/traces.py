@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import orjson
@@ -29,6 +30,14 @@ from gateway.estimators.latency import FEATURES
 SWEEP_LOAD = (0.005, 0.01, 0.02, 0.05, 0.2, 0.4, 0.6, 0.8, 0.95)
 
 
+class SweepTarget(NamedTuple):
+    """What a sweep reads of an instance beside its engine spec: its tier's names. A build sends this to its sweep
+    processes, since a config's Instance holds read-only mappings that do not pickle."""
+
+    model: str
+    gpu: str
+
+
 def capacity_rps(spec: EngineSpec, mean_output_tokens: float) -> float:
     """Rough request ceiling of one instance: its decode ceiling over the mean answer."""
     return 1.0 / (spec.tpot_s * spec.batch_slope) / mean_output_tokens
@@ -38,6 +47,7 @@ def virtual_sweep(inst, lengths: list[tuple[int, int]], *, requests_per_rate: in
                   loads: Iterable[float] = SWEEP_LOAD, scrape_interval_s: float = 0.5, seed: int = 0,
                   engine: EngineSpec | None = None) -> list[dict]:
     """Poisson sweeps against one instance's engine model (`engine`, default its profile's), in virtual time.
+    `inst`: an Instance, or its SweepTarget with `engine` given.
 
     `lengths` are (prompt_tokens, output_tokens) pairs drawn in turn; rates are
     shares of the instance's estimated capacity."""
