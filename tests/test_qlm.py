@@ -254,7 +254,7 @@ def test_eviction_aborts_batch_jobs_for_tight_slos_and_serves_each_request_once(
     cfg, est, ev = sim
     # Small caps and many mega prompts (1,000-token answers): slots run out for long, tight requests need eviction.
     tight = cfg.with_options("qlm", slowdown=1.05, on_infeasible="serve")  # a mega prompt's 10 s SLO: late, not refused
-    spec = _cell("qlm", arrivals=ArrivalSpec("gamma", 5.0, shape=0.5), requests=800, slos=((10.0, 0.5), (600.0, 0.5)),
+    spec = _cell("qlm", arrivals=ArrivalSpec("gamma", 5.0, shape=0.5), requests=400, slos=((10.0, 0.5), (600.0, 0.5)),
                  mega_share=0.3)
     result = run_cell(tight, ev, spec, est)
     evicted = [o for o in result.outcomes if o.evictions]
