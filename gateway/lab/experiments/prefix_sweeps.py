@@ -62,8 +62,8 @@ RB = "routebalance"
 RB_MODES = ("approximate", "events", "off")  # what the gateway knows of the engines' caches
 BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approximate index
 COLD = "prefill priced cold"  # RouteBalance's prefill term with every prompt priced as if nothing were cached
-FIRST_TOKEN_WEIGHT = 4.0  # [policies.routebalance] prefill_weight of the cell that weighs the first token
-FIRST_TOKEN = f"prefill_weight={FIRST_TOKEN_WEIGHT:g}"
+END_TO_END_WEIGHT = 1.0  # [policies.routebalance] prefill_weight of the cell that prices end-to-end time alone
+END_TO_END = f"prefill_weight={END_TO_END_WEIGHT:g}"
 
 
 def sources(n: int) -> list[tuple[PrefixSource, int]]:
@@ -87,9 +87,10 @@ def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
             spec = CellSpec(RB, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
             out.append(Cell(RB, COLD, spec, config_changes=(("routebalance", {"prefill_term": "cold"}),),
                             tags=tags))
-            # The request's own prefill weighed more: its time to first token counts beside its end-to-end time.
-            out.append(Cell(RB, FIRST_TOKEN, spec, config_changes=(
-                ("routebalance", {"prefill_weight": FIRST_TOKEN_WEIGHT}),), tags=tags))
+            # The request's own prefill counted once: its end-to-end time alone, as Eq. 1 prices latency (the
+            # default weighs its time to first token too).
+            out.append(Cell(RB, END_TO_END, spec, config_changes=(
+                ("routebalance", {"prefill_weight": END_TO_END_WEIGHT}),), tags=tags))
             for policy in BASELINES:
                 spec = CellSpec(policy, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
                 out.append(Cell(policy, policy, spec, tags=tags))
@@ -109,8 +110,8 @@ def pairs(cells_: list[Cell]) -> list:
         others += [(p, {"system": p, **where}) for p in BASELINES]
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]
-        weighted = {"system": RB, "label": FIRST_TOKEN, **where}
-        out += [Pair(f"{prompts} at {load:g}: {FIRST_TOKEN} vs {name}", weighted, side, PAIRED_FIGURES,
+        e2e_only = {"system": RB, "label": END_TO_END, **where}
+        out += [Pair(f"{prompts} at {load:g}: {END_TO_END} vs {name}", e2e_only, side, PAIRED_FIGURES,
                      relative=True, at=where) for name, side in [("routebalance", ours), *others]
                 if name not in ("events", "the prefill priced cold")]
     return out

@@ -56,8 +56,9 @@ class RouteBalanceOptions(Section):
     any of it (the ablation that tells pricing the prefill's load apart from
     knowing the caches); prefill_weight: how many times the request's own
     prefill counts (1: once, in its end-to-end time, as Eq. 1 prices
-    latency; more weighs its time to first token, which a streaming client
-    waits through before it sees anything, and so favours warm instances).
+    latency; the default 4 weighs its time to first token too, which a
+    streaming client waits through before it sees anything, and so favours
+    warm instances).
     """
 
     quality_term: QualityTerm = "raw"
@@ -66,7 +67,7 @@ class RouteBalanceOptions(Section):
     lpt: bool = True
     budget_filter: bool = True
     prefill_term: PrefillTerm = "cached"
-    prefill_weight: float = option(1.0, ge=1)
+    prefill_weight: float = option(4.0, ge=1)
     seed: int = 0
 
     @property
