@@ -119,9 +119,9 @@ def test_a_builds_sweeps_give_the_same_rows_in_one_process_or_several(monkeypatc
     short = types.SimpleNamespace(output_length=3)  # short answers: a sweep of a few thousand steps
     records = [types.SimpleNamespace(input_len=40 + k, models={t.sweep_instance.model: short for t in tiers})
                for k in range(5)]
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     several = build.sweep_tiers(tiers, records, seed=3)
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
     one = build.sweep_tiers(tiers, records, seed=3)
     assert several == one and set(one) == {t.key for t in tiers}
     assert all(len(train) == len(test) > 0 for train, test in one.values())

@@ -306,10 +306,11 @@ class SchedulingLoop:
         of the same round are judged on)."""
         first = ticket.plan = next(self.plans(ticket, now), None)
         if first is not None:
-            self._book(ticket, first.instance, now)
+            # The working copy first: it reads the live index, which the booking records the prompt in.
             if view is not None and ticket.decision is not None:
                 view.dispatched(first.instance, ticket.decision.tokens or 0.0, ticket.request.input_tokens,
                                 ticket.request.prefix)
+            self._book(ticket, first.instance, now)
 
     def plans(self, ticket: Ticket, now: float) -> Iterator[DispatchPlan]:
         """The attempts for a decided request, best first, with its own budget (see `plan`)."""
@@ -374,10 +375,11 @@ class SchedulingLoop:
         self._unbook(ticket)
         tokens = ticket.decision.tokens if ticket.decision and ticket.decision.tokens else 0.0
         req, scheduler, state = ticket.request, ticket.config.scheduler, self.pool_state.of(name)
-        knows = bool(req.prefix) and scheduler.prefix_cache != "off" and ticket.config.instances[i].prefix_caching
-        held = state.held_tokens(req.prefix, req.input_tokens, scheduler) if knows else 0
-        state.dispatched(ticket, req.input_tokens - held, tokens, now, ticket.streaming)
-        if req.prefix and scheduler.prefix_cache != "off":
+        sends_prefix = bool(req.prefix) and scheduler.prefix_cache != "off"  # its policy reads the index
+        cached = (state.cached_tokens(req.prefix, req.input_tokens, scheduler)
+                  if sends_prefix and ticket.config.instances[i].prefix_caching else 0)
+        state.dispatched(ticket, req.input_tokens - cached, tokens, now, ticket.streaming)
+        if sends_prefix:
             self.pool_state.sent_prompt(name, req.prefix, scheduler.prefix_index_max_blocks)
         ticket.booked_on = name
 

@@ -191,13 +191,10 @@ class InstanceState:
             self.sent = PrefixIndex(self.bound(max_blocks))
         self.sent.record(prefix)
 
-    def held_tokens(self, prefix: Sequence[int], prompt_tokens: int, scheduler: SchedulerSettings) -> int:
+    def cached_tokens(self, prefix: Sequence[int], prompt_tokens: int, scheduler: SchedulerSettings) -> int:
         """Prompt tokens it is believed to hold of a prompt with these blocks (the index the scheduler reads)."""
-        index = self.prefix_index(scheduler.prefix_cache)
-        if index is None:
-            return 0
-        block = scheduler.prefix_block_tokens
-        return index.match(prefix[:cacheable_blocks(prompt_tokens, block)]) * block
+        index, block = self.prefix_index(scheduler.prefix_cache), scheduler.prefix_block_tokens
+        return 0 if index is None else index.match(prefix[:cacheable_blocks(prompt_tokens, block)]) * block
 
     def prefix_index(self, mode: str) -> PrefixIndex | None:
         """The index the scheduler reads: the reported one while its events are healthy (mode "events"), else

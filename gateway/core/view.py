@@ -75,22 +75,19 @@ class PoolView:
         return bool(self.prefixes)
 
     def cached_tokens(self, prefix: Sequence[int], input_tokens: int) -> np.ndarray:
-        """Per instance, the prompt tokens it is believed to hold cached: its longest run of the prompt's leading
-        blocks, never the last prompt token (always computed). Zeros when prefixes are not looked at."""
-        out = np.zeros(len(self.instances))
+        """Per instance, the prompt tokens it is believed to hold cached (`cached_on`). Zeros when prefixes are
+        not looked at."""
         if not self.prefixes or not prefix:
-            return out
-        hashes = prefix[:cacheable_blocks(input_tokens, self.block_size)]
-        for i in range(len(self.instances)):
-            out[i] = self._held(i, hashes)
-        return out
+            return np.zeros(len(self.instances))
+        return np.array([self.cached_on(i, prefix, input_tokens) for i in range(len(self.instances))])
 
-    def _held(self, i: int, hashes: Sequence[int]) -> float:
-        """Tokens of the leading `hashes` (cacheable blocks) instance i is believed to hold, counting the prompts
-        this working copy dispatched there."""
+    def cached_on(self, i: int, prefix: Sequence[int], input_tokens: int) -> float:
+        """The prompt tokens instance i is believed to hold cached: its longest run of the prompt's leading blocks,
+        in its index or in a prompt this working copy dispatched there, never the last prompt token."""
         index = self.prefixes[i] if self.prefixes else None
-        if index is None:
+        if index is None or not prefix:
             return 0.0
+        hashes = prefix[:cacheable_blocks(int(input_tokens), self.block_size)]
         n = index.match(hashes)
         for other in self.sent.get(i, ()):
             n = max(n, _common(other, hashes))
@@ -105,9 +102,8 @@ class PoolView:
         """Dead reckoning: instance i got one more request of `tokens` predicted answer tokens (and its prompt's
         blocks, which it will hold cached). Its pending prefill is what it must compute: the prompt less what
         the instance holds."""
-        held = 0.0
+        cached = self.cached_on(i, prefix, int(input_tokens))
         if prefix and self.prefixes and self.prefixes[i] is not None:
-            held = self._held(i, prefix[:cacheable_blocks(int(input_tokens), self.block_size)])
             self.sent.setdefault(i, []).append(prefix)
         # A request queues behind others already waiting (no free KV), or when every slot runs.
         if self.running[i] < self.max_num_seqs[i] and self.waiting[i] == 0:
@@ -115,7 +111,7 @@ class PoolView:
         else:
             self.waiting[i] += 1
         self.in_flight[i] += 1
-        self.pending_prefill[i] += input_tokens - held
+        self.pending_prefill[i] += input_tokens - cached
         self.pending_decode[i] += tokens
 
 

@@ -1,8 +1,8 @@
 """Each replica's share of the pool's work, and the cooldowns it has seen, exchanged through Redis.
 
 Every `[state].sync_interval_s` a replica runs one script: it publishes its
-own share of each instance's work (requests in flight, prompt tokens not yet
-prefilled, predicted answer tokens still to come) and the cooldowns its own
+own share of each instance's work (requests in flight, prompt tokens still
+to compute, predicted answer tokens still to come) and the cooldowns its own
 failures started, and reads back the other live replicas' shares and every
 cooldown still running. A replica that stops publishing drops out after
 `_ttl_s` (the server's clock decides, so replicas' clocks need not agree).

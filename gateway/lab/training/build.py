@@ -354,7 +354,7 @@ def sweep_tiers(tiers: list[TierInputs], records: list[Record], seed: int,
             jobs[tier.key, "train"] = {**common, "lengths": lengths, "seed": seed}
             jobs[tier.key, "test"] = {**common, "lengths": lengths[::-1], "seed": seed + 1}
     rows: dict[tuple[str, str], Rows] = {}
-    workers = min(len(jobs), os.cpu_count() or 1)
+    workers = min(len(jobs), len(os.sched_getaffinity(0)))  # the cores this process may use, not the host's
     progress("sweeping the engine model for TPOT heads", 0, len(jobs))
     if workers <= 1:
         for k, (key, job) in enumerate(jobs.items()):
@@ -362,11 +362,14 @@ def sweep_tiers(tiers: list[TierInputs], records: list[Record], seed: int,
             progress("sweeping the engine model for TPOT heads", k + 1, len(jobs))
     else:
         # spawn, not fork: the parent may hold onnxruntime's and XGBoost's threads
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        try:
             futures = {pool.submit(virtual_sweep, **job): key for key, job in jobs.items()}
             for k, future in enumerate(as_completed(futures)):
                 rows[futures[future]] = future.result()
                 progress("sweeping the engine model for TPOT heads", k + 1, len(jobs))
+        finally:  # a sweep that failed fails the build at once: the ones not started are dropped
+            pool.shutdown(cancel_futures=True)
     return {tier.key: (rows[tier.key, "train"], rows[tier.key, "test"]) for tier in tiers if not tier.profiled}
 
 

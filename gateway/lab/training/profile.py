@@ -30,9 +30,10 @@ WITHOUT_METRICS = "the traces carry only the profiler's own accounting of what i
 FILLER = "please summarise the following notes about the project plan and its risks "
 
 
-def prompt_of(tokens: int) -> str:
-    """A prompt of about `tokens` tokens (about four characters a token)."""
-    text = FILLER * (tokens * 4 // len(FILLER) + 1)
+def prompt_of(tokens: int, rid: int) -> str:
+    """A prompt of about `tokens` tokens (about four characters a token), opening with its request id: no two
+    share a prefix, so an instance that caches prefixes computes each one whole, as the traces count it."""
+    text = f"{rid}: " + FILLER * (tokens * 4 // len(FILLER) + 1)
     return text[: max(4, tokens * 4)]
 
 
@@ -59,7 +60,7 @@ async def _one_request(session, url: str, model: str, rid: int, prompt_tokens: i
     loop = asyncio.get_running_loop()
     feats = view.features(prompt_tokens, output_tokens)
     view.dispatched(rid, prompt_tokens, output_tokens)
-    body = {"model": model, "prompt": prompt_of(prompt_tokens), "max_tokens": output_tokens, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt_of(prompt_tokens, rid), "max_tokens": output_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = loop.time()
     first = last = None
