@@ -75,23 +75,23 @@ class PoolView:
         return bool(self.prefixes)
 
     def cached_tokens(self, prefix: Sequence[int], input_tokens: int) -> np.ndarray:
-        """Per instance, the prompt tokens it is believed to hold cached (`cached_on`). Zeros when prefixes are
-        not looked at."""
+        """Per instance, the prompt tokens it is believed to hold cached: its longest run of the prompt's leading
+        blocks, never the last prompt token (always computed). Zeros when prefixes are not looked at."""
         if not self.prefixes or not prefix:
             return np.zeros(len(self.instances))
-        return np.array([self.cached_on(i, prefix, input_tokens) for i in range(len(self.instances))])
+        hashes = prefix[:cacheable_blocks(input_tokens, self.block_size)]
+        held = np.array([self._blocks_held(i, hashes) for i in range(len(self.instances))], dtype=float)
+        return held * self.block_size
 
-    def cached_on(self, i: int, prefix: Sequence[int], input_tokens: int) -> float:
-        """The prompt tokens instance i is believed to hold cached: its longest run of the prompt's leading blocks,
-        in its index or in a prompt this working copy dispatched there, never the last prompt token."""
-        index = self.prefixes[i] if self.prefixes else None
-        if index is None or not prefix:
-            return 0.0
-        hashes = prefix[:cacheable_blocks(int(input_tokens), self.block_size)]
+    def _blocks_held(self, i: int, hashes: Sequence[int]) -> int:
+        """Leading `hashes` instance i holds: in its index, or in a prompt this working copy dispatched there."""
+        index = self.prefixes[i]
+        if index is None:
+            return 0
         n = index.match(hashes)
         for other in self.sent.get(i, ()):
             n = max(n, _common(other, hashes))
-        return float(n * self.block_size)
+        return n
 
     def usable(self, candidates: Sequence[int]) -> list[int]:
         """Candidates that are available, or all of them if none is (better to try than to refuse)."""
@@ -102,8 +102,10 @@ class PoolView:
         """Dead reckoning: instance i got one more request of `tokens` predicted answer tokens (and its prompt's
         blocks, which it will hold cached). Its pending prefill is what it must compute: the prompt less what
         the instance holds."""
-        cached = self.cached_on(i, prefix, int(input_tokens))
+        cached = 0
         if prefix and self.prefixes and self.prefixes[i] is not None:
+            hashes = prefix[:cacheable_blocks(int(input_tokens), self.block_size)]
+            cached = self._blocks_held(i, hashes) * self.block_size
             self.sent.setdefault(i, []).append(prefix)
         # A request queues behind others already waiting (no free KV), or when every slot runs.
         if self.running[i] < self.max_num_seqs[i] and self.waiting[i] == 0:

@@ -55,6 +55,12 @@ def entry(name: str) -> PolicyEntry:
     return found
 
 
+def hashes_prompts(name: str, prefix_cache: str) -> bool:
+    """Do requests routed by policy `name` carry their prompt's blocks to the scheduler? Where it reads the prefix
+    index and [scheduler] prefix_cache looks at prefixes; the gateway and the simulator ask the same."""
+    return prefix_cache != "off" and entry(name).reads_prefixes
+
+
 def tables() -> Mapping[str, type]:
     return dict(_tables)
 

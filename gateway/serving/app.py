@@ -392,8 +392,8 @@ class Gateway:
         """Prompt tokens as the instance will count them (function signatures included), and its prefix blocks
         where its policy reads the prefix index (serving/prefixes.py); a large request (judged by its body) is
         measured in a worker thread so the event loop keeps serving."""
-        reads = cfg.scheduler.prefix_cache != "off" and registry.entry(policy).reads_prefixes
-        block = cfg.scheduler.prefix_block_tokens if reads else None
+        scheduler = cfg.scheduler
+        block = scheduler.prefix_block_tokens if registry.hashes_prompts(policy, scheduler.prefix_cache) else None
         if body_bytes <= cfg.server.tokenize_inline_chars:
             return measure_prompt(self.token_counter, req, block, salt)
         return await asyncio.get_running_loop().run_in_executor(None, measure_prompt, self.token_counter, req,

@@ -296,9 +296,9 @@ class Simulation:
         self.outcomes = [Outcome(float(t), prompt_tokens=int(prompt_tokens[r]), budget_usd=budget_of[r],
                                  slo_s=slo_of[r], slo_class=class_of[r], tpot_slo_s=spec.tpot_slo_s)
                          for r, t in enumerate(self.times)]
-        # As live (serving/app.py), a request carries its prompt's blocks to the scheduler only where its policy
-        # reads the prefix index; the engines cache by them either way.
-        reads = cfg.scheduler.prefix_cache != "off" and registry.entry(spec.policy).reads_prefixes
+        # As live, a request carries its prompt's blocks to the scheduler only where its policy reads the prefix
+        # index; the engines cache by them either way.
+        reads = registry.hashes_prompts(spec.policy, cfg.scheduler.prefix_cache)
         self.tickets = [Ticket(RouteRequest(serving[named[r]], ev.prompts[r], int(prompt_tokens[r]), int(max_tokens[r]),
                                             spec.weights, budget_of[r], spec.policy, slo_s=slo_of[r],
                                             tpot_slo_s=spec.tpot_slo_s, slo_class=class_of[r],
