@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import Stack, dump_toml, pool_config, wait_for
+from conftest import Stack, dump_toml, pool_config, steady, wait_for
 from gateway.lab.experiments.plots import plot_sweep
 from gateway.lab.experiments.sweeps import (
     _WORKER,
@@ -168,7 +168,7 @@ def test_simulated_and_live_stacks_agree(sim, tmp_path):
     try:
         live_cfg = stack.store.current
         n, rate = 90, 8.0
-        ev = load_evalset(live_cfg, n, estimators=est)  # label columns follow this pool's instances
+        ev = steady(load_evalset(live_cfg, n, estimators=est))  # label columns follow this pool's instances
         spec = CellSpec("routebalance", (1 / 3, 1 / 3, 1 / 3), ArrivalSpec(rate=rate), n, seed=2)
         times = arrival_times(spec.arrivals, n, spec.seed)
         names = {inst.name: k for k, inst in enumerate(live_cfg.instances)}
