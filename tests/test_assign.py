@@ -12,7 +12,7 @@ from gateway.config.store import default_config_path, load_config
 from gateway.core.budget import predicted_cost
 from gateway.core.pool_state import PoolState
 from gateway.core.request import Estimates, RouteRequest
-from gateway.core.scoring import eq1, expected_latency
+from gateway.core.scoring import KV_FULL, eq1, expected_latency
 from gateway.lab.workload.synthetic import generate
 from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch, budget_filter, lpt_order
 from gateway.records import split
@@ -71,12 +71,13 @@ def test_eq2_costs_and_the_budget_filter():
 
 
 def test_latency_waits_only_without_a_free_slot():
-    tpot = np.full(3, 0.02)
-    # A free slot; every slot running; slots free but requests waiting (the KV cache is full).
-    t = expected_latency(tpot, np.full(3, 100.0), pending_decode=np.array([4000.0, 4000.0, 3000.0]),
-                         running=np.array([3.0, 8.0, 5.0]), waiting=np.array([0.0, 0.0, 2.0]),
-                         max_num_seqs=np.full(3, 8.0))
-    assert t == pytest.approx([0.02 * 100, 0.02 * (4000 / 8 + 100), 0.02 * (3000 / 5 + 100)])
+    tpot = np.full(4, 0.02)
+    # A free slot; every slot running; requests waiting beside a full KV cache; requests waiting beside a cache
+    # with room (between steps: they wait for a step, not for the running batch to finish).
+    t = expected_latency(tpot, np.full(4, 100.0), pending_decode=np.array([4000.0, 4000.0, 3000.0, 3000.0]),
+                         running=np.array([3.0, 8.0, 5.0, 5.0]), waiting=np.array([0.0, 0.0, 2.0, 2.0]),
+                         kv_usage=np.array([0.3, 0.5, KV_FULL, KV_FULL - 0.05]), max_num_seqs=np.full(4, 8.0))
+    assert t == pytest.approx([0.02 * 100, 0.02 * (4000 / 8 + 100), 0.02 * (3000 / 5 + 100), 0.02 * 100])
 
 
 def test_lpt_orders_by_longest_prediction_first():

@@ -351,6 +351,23 @@ def test_routebalance_prefers_the_warm_instance_and_prices_its_load():
     assert placed.count(1) > max(placed.count(0), placed.count(2)) and set(placed) != {1}
 
 
+def test_a_request_waiting_beside_a_cache_with_room_does_not_make_the_warm_instance_full():
+    """A scrape that caught a request between steps (waiting, the KV cache with room) leaves the warm instance a
+    free slot: the turn stays where its history is. The same queue beside a full cache waits for the running
+    answers (1,000 iterations of 10 ms), more than prefilling the history elsewhere (1.64 s x (4 + 2))."""
+    from gateway.core.scoring import KV_FULL
+
+    history = tokens(0, 1600)
+    prompt = request(history + tokens(9000, 40), n=3)
+    picks = []
+    for kv in (0.2, KV_FULL):
+        view = view_of(_small_pool(), in_flight=[2, 2, 2], waiting=[0, 1, 0], kv_usage=[0.2, kv, 0.2])
+        hold(view, 1, history)
+        (d,) = _routebalance(view, [prompt], length=1000.0)
+        picks.append(d.ranked[0])
+    assert picks[0] == 1 and picks[1] != 1
+
+
 def test_routebalance_without_prefixes_scores_as_the_paper():
     history = tokens(0, 1600)
     view = view_of(_small_pool(), in_flight=[0, 1, 0], prefixes=False)

@@ -17,6 +17,10 @@ import numpy as np
 
 QualityTerm = Literal["raw", "minmax"]
 
+# KV-cache use (vllm:kv_cache_usage_perc) from which requests that wait are taken to wait for memory: a scrape
+# is up to an interval old and one prompt rarely needs more than a few percent of an instance's cache.
+KV_FULL = 0.9
+
 
 def quality_term(quality: np.ndarray, mode: QualityTerm = "raw") -> np.ndarray:
     """Predicted quality as is ("raw"), or min-max normalised over the candidates."""
@@ -40,16 +44,23 @@ def eq1(weights: tuple[float, float, float], quality: np.ndarray, cost_usd: np.n
 
 
 def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, running: np.ndarray,
-                     waiting: np.ndarray, max_num_seqs: np.ndarray) -> np.ndarray:
+                     waiting: np.ndarray, kv_usage: np.ndarray, max_num_seqs: np.ndarray) -> np.ndarray:
     """Seconds to the end of the answer (paper section 4.2).
 
-    With a free decode slot (fewer running than max_num_seqs and nobody
-    waiting) the request decodes at once: L x tpot. Otherwise it first waits
-    through d/b iterations of the running batch (d pending decode tokens over
-    b running sequences): (d/b + L) x tpot. A queue with free slots means the
-    KV cache is full, so it waits then too.
+    With a free decode slot the request decodes at once: L x tpot.
+    Otherwise it first waits through d/b iterations of the running batch (d
+    pending decode tokens over b running sequences): (d/b + L) x tpot. A slot
+    is not free when every one of max_num_seqs is running, or when requests
+    wait while the KV cache is full (KV_FULL): they wait for running ones to
+    finish. Requests waiting beside a cache with room are between steps (an
+    arrival waits for the step in flight, a long prefill takes a step's token
+    budget): they wait a step, not d/b of them, and that prefill is the
+    prefill term's to price. Counting them as a full instance (as this did)
+    made a scrape that caught one arrival price a warm instance a second
+    slower, and moved conversations off their cached history (measured in
+    the simulator, docs/results/prefix.md).
     """
-    busy = (running >= max_num_seqs) | (waiting > 0)
+    busy = (running >= max_num_seqs) | ((waiting > 0) & (kv_usage >= KV_FULL))
     wait = np.where(busy, pending_decode / np.maximum(running, 1), 0.0)
     return tpot_s * (wait + length)
 

@@ -159,7 +159,8 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
         t = latency.tpot[r, cands] * length
     else:
         t = expected_latency(latency.tpot[r, cands], length, view.pending_decode[cands],
-                             view.running[cands], view.waiting[cands], view.max_num_seqs[cands])
+                             view.running[cands], view.waiting[cands], view.kv_usage[cands],
+                             view.max_num_seqs[cands])
     cached = view.cached_tokens(req.prefix, req.input_tokens)[cands] if view.knows_prefixes else None
     if cached is not None:
         priced = cached if options.prefill_term == "cached" else np.zeros_like(cached)
