@@ -55,10 +55,9 @@ def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.
     finish. Requests waiting beside a cache with room are between steps (an
     arrival waits for the step in flight, a long prefill takes a step's token
     budget): they wait a step, not d/b of them, and that prefill is the
-    prefill term's to price. Counting them as a full instance (as this did)
-    made a scrape that caught one arrival price a warm instance a second
-    slower, and moved conversations off their cached history (measured in
-    the simulator, docs/results/prefix.md).
+    prefill term's to price. Counted as a full instance, a scrape that caught
+    one arrival priced a warm instance seconds slower and moved conversations
+    off their cached history (measured in the simulator, docs/results/prefix.md).
     """
     busy = (running >= max_num_seqs) | ((waiting > 0) & (kv_usage >= KV_FULL))
     wait = np.where(busy, pending_decode / np.maximum(running, 1), 0.0)
