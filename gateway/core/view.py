@@ -79,9 +79,13 @@ class PoolView:
         blocks, never the last prompt token (always computed). Zeros when prefixes are not looked at."""
         if not self.prefixes or not prefix:
             return np.zeros(len(self.instances))
-        hashes = prefix[:cacheable_blocks(input_tokens, self.block_size)]
+        hashes = self._cacheable(prefix, input_tokens)
         held = np.array([self._blocks_held(i, hashes) for i in range(len(self.instances))], dtype=float)
         return held * self.block_size
+
+    def _cacheable(self, prefix: Sequence[int], input_tokens: float) -> Sequence[int]:
+        """The prompt's leading blocks an instance could take from its cache (`cacheable_blocks`)."""
+        return prefix[:cacheable_blocks(int(input_tokens), self.block_size)]
 
     def _blocks_held(self, i: int, hashes: Sequence[int]) -> int:
         """Leading `hashes` instance i holds: in its index, or in a prompt this working copy dispatched there."""
@@ -104,8 +108,7 @@ class PoolView:
         the instance holds."""
         cached = 0
         if prefix and self.prefixes and self.prefixes[i] is not None:
-            hashes = prefix[:cacheable_blocks(int(input_tokens), self.block_size)]
-            cached = self._blocks_held(i, hashes) * self.block_size
+            cached = self._blocks_held(i, self._cacheable(prefix, input_tokens)) * self.block_size
             self.sent.setdefault(i, []).append(prefix)
         # A request queues behind others already waiting (no free KV), or when every slot runs.
         if self.running[i] < self.max_num_seqs[i] and self.waiting[i] == 0:
