@@ -368,6 +368,21 @@ def test_a_request_waiting_beside_a_cache_with_room_does_not_make_the_warm_insta
     assert picks[0] == 1 and picks[1] != 1
 
 
+def test_dead_reckoning_books_a_dispatch_where_the_decode_term_says_it_waits():
+    """The working copy and Eq. 1's decode term answer "is there a free slot" with one rule: beside a cache with
+    room a dispatch runs (the scrape caught a request between steps), beside a full cache it waits, and with
+    every slot running it waits whatever the cache."""
+    from gateway.core.scoring import KV_FULL
+
+    pool = _small_pool()
+    booked = []
+    for waiting, kv, running in ((1, 0.2, 2), (1, KV_FULL, 2), (0, 0.2, pool[0].max_num_seqs)):
+        view = view_of(pool, in_flight=[running] * 3, waiting=[waiting] * 3, kv_usage=[kv] * 3)
+        view.dispatched(0, 10.0, 32)
+        booked.append((view.running[0] - running, view.waiting[0] - waiting))
+    assert booked == [(1, 0), (0, 1), (0, 1)]
+
+
 def test_routebalance_without_prefixes_scores_as_the_paper():
     history = tokens(0, 1600)
     view = view_of(_small_pool(), in_flight=[0, 1, 0], prefixes=False)

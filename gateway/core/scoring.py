@@ -16,6 +16,7 @@ from typing import Literal
 import numpy as np
 
 QualityTerm = Literal["raw", "minmax"]
+Slots = np.ndarray | np.floating  # every instance's column, or one instance's value
 
 # KV-cache use (vllm:kv_cache_usage_perc) from which requests that wait are taken to wait for memory: a scrape
 # is up to an interval old and one prompt rarely needs more than a few percent of an instance's cache.
@@ -43,23 +44,29 @@ def eq1(weights: tuple[float, float, float], quality: np.ndarray, cost_usd: np.n
     return w_q * quality + w_c * cost_term(cost_usd) + w_l * latency_term(latency_s)
 
 
+def no_free_slot(running: Slots, waiting: Slots, kv_usage: Slots, max_num_seqs: Slots) -> np.ndarray | np.bool_:
+    """Whether a request sent now must wait for a running one to finish before it decodes: every one of
+    max_num_seqs runs, or requests wait while the KV cache is full (KV_FULL). Requests waiting beside a cache
+    with room are between steps (an arrival waits for the step in flight, a long prefill takes a step's token
+    budget): they wait a step, not a running request's answer. Elementwise over arrays, or one instance's
+    scalars. Eq. 1's decode term and dead reckoning both ask it, so they agree on where a dispatch lands."""
+    return (running >= max_num_seqs) | ((waiting > 0) & (kv_usage >= KV_FULL))
+
+
 def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.ndarray, running: np.ndarray,
                      waiting: np.ndarray, kv_usage: np.ndarray, max_num_seqs: np.ndarray) -> np.ndarray:
     """Seconds to the end of the answer (paper section 4.2).
 
     With a free decode slot the request decodes at once: L x tpot.
-    Otherwise it first waits through d/b iterations of the running batch (d
-    pending decode tokens over b running sequences): (d/b + L) x tpot. A slot
-    is not free when every one of max_num_seqs is running, or when requests
-    wait while the KV cache is full (KV_FULL): they wait for running ones to
-    finish. Requests waiting beside a cache with room are between steps (an
-    arrival waits for the step in flight, a long prefill takes a step's token
-    budget): they wait a step, not d/b of them, and that prefill is the
-    prefill term's to price. Counted as a full instance, a scrape that caught
-    one arrival priced a warm instance seconds slower and moved conversations
-    off their cached history (measured in the simulator, docs/results/prefix.md).
+    Otherwise (no_free_slot) it first waits through d/b iterations of the
+    running batch (d pending decode tokens over b running sequences):
+    (d/b + L) x tpot. A step's wait behind a prefill is the prefill term's to
+    price. Counted as a full instance, a scrape that caught one arrival
+    between steps priced a warm instance seconds slower and moved
+    conversations off their cached history (measured in the simulator,
+    docs/results/prefix.md).
     """
-    busy = (running >= max_num_seqs) | ((waiting > 0) & (kv_usage >= KV_FULL))
+    busy = no_free_slot(running, waiting, kv_usage, max_num_seqs)
     wait = np.where(busy, pending_decode / np.maximum(running, 1), 0.0)
     return tpot_s * (wait + length)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gateway.core.prefix import PrefixIndex, cacheable_blocks
+from gateway.core.scoring import no_free_slot
 from gateway.core.settings import InstanceSettings
 
 # The instance state the scheduler tracks, and its order in a TPOT head's feature row.
@@ -110,11 +111,10 @@ class PoolView:
         if prefix and self.prefixes and self.prefixes[i] is not None:
             cached = self._blocks_held(i, self._cacheable(prefix, input_tokens)) * self.block_size
             self.sent.setdefault(i, []).append(prefix)
-        # A request queues behind others already waiting (no free KV), or when every slot runs.
-        if self.running[i] < self.max_num_seqs[i] and self.waiting[i] == 0:
-            self.running[i] += 1
-        else:
+        if no_free_slot(self.running[i], self.waiting[i], self.kv_usage[i], self.max_num_seqs[i]):
             self.waiting[i] += 1
+        else:
+            self.running[i] += 1
         self.in_flight[i] += 1
         self.pending_prefill[i] += input_tokens - cached
         self.pending_decode[i] += tokens
