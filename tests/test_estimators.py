@@ -34,6 +34,9 @@ def test_train_report_shows_knn_above_random_and_heads_above_the_prior(built):
     assert set(manifest["heads"]) == tiers
     for tier, h in manifest["report"]["heads"].items():
         assert h["head_mae_ms"] < h["prior_mae_ms"], tier
+    # What a head misses by on its held-out traces reaches the scheduler (routebalance/assign.py reads it).
+    assert built[2].heads.errors == {t: h["head_mape"] for t, h in manifest["report"]["heads"].items()}
+    assert all(0 < e < 1 for e in built[2].heads.errors.values())
     text = format_report(manifest)
     assert "best-model hit rate" in text and "TPOT heads" in text
 

@@ -383,6 +383,32 @@ def test_dead_reckoning_books_a_dispatch_where_the_decode_term_says_it_waits():
     assert booked == [(1, 0), (0, 1), (0, 1)]
 
 
+def test_between_tier_mates_the_cache_decides_within_the_heads_error():
+    """The warm instance has one request on it, and a head 5% slower there costs it more (0.05 s of decode) than
+    its 2-block history saves (0.012 s of prefill): 0.012 apart in score. Within the latency term's error (w_lat
+    x the head's held-out error: 1/3 x 5% = 0.017) the history decides; with a 1% head, or no error known, the
+    score does."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    def tpot(tier, rows):  # 10 ms, 5% slower for each request the gateway has on the instance
+        return 0.01 * (1 + 0.05 * rows[:, 4])
+
+    history = tokens(0, 32)
+    picks = []
+    for error in (0.05, 0.01, None):
+        view = view_of(pool(3), in_flight=[0, 1, 0])
+        hold(view, 1, history)
+        view = dataclasses.replace(view, prefill_s=np.full(3, 1e-4))
+        (d,) = assign_batch([request(history + tokens(9000, 8), n=3)], Estimates(np.full((1, 3), 0.5),
+                            np.full((1, 3), 100.0)), view, RouteBalanceOptions(), tpot, np.random.default_rng(0),
+                            None if error is None else {"m": error})
+        picks.append(d.ranked[0])
+    assert picks[0] == 1 and picks[1] != 1 and picks[2] != 1
+
+
 def test_routebalance_without_prefixes_scores_as_the_paper():
     history = tokens(0, 1600)
     view = view_of(_small_pool(), in_flight=[0, 1, 0], prefixes=False)

@@ -81,8 +81,10 @@ class Estimators:
                 if head is not None and head.features != knn.index.d:
                     raise ArtefactError(f"{models_dir / manifest['learned']['file']}: heads on {head.features} "
                                         f"features, the index embeds in {knn.index.d}")
+        reported = manifest.get("report", {}).get("heads", {})
         heads = LatencyHeads.load(models_dir, {tier: h["file"] for tier, h in manifest["heads"].items()},
-                                  {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()})
+                                  {tier: h["tpot_prior_ms"] / 1000 for tier, h in manifest["heads"].items()},
+                                  {tier: r["head_mape"] for tier, r in reported.items() if "head_mape" in r})
         headless = sorted({tier_key(i.model, i.gpu) for i in config.instances} - manifest["heads"].keys())
         if headless:
             log.warning("no TPOT head for %s in %s: priced with their tpot_prior_ms until `routebalance train "

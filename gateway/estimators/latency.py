@@ -85,10 +85,12 @@ def save_head(booster: xgb.Booster, directory: Path, tier: str) -> str:
 class LatencyHeads:
     """TPOT per tier: the tier's booster if there is one, else its static prior."""
 
-    def __init__(self, boosters: Mapping[str, xgb.Booster], priors_s: Mapping[str, float]):
+    def __init__(self, boosters: Mapping[str, xgb.Booster], priors_s: Mapping[str, float],
+                 errors: Mapping[str, float] | None = None):
         self.boosters = dict(boosters)  # what is saved and refitted
         self.forests = {tier: Forest(b) for tier, b in self.boosters.items()}  # few rows: forest.py says why
         self.priors_s = dict(priors_s)
+        self.errors = dict(errors or {})  # a head's mean relative error on its held-out traces (the build's report)
 
     def tpot(self, tier: str, x: np.ndarray) -> np.ndarray:
         """Seconds per output token for each feature row (n, len(FEATURES))."""
@@ -106,7 +108,8 @@ class LatencyHeads:
         return {tier: save_head(booster, directory, tier) for tier, booster in self.boosters.items()}
 
     @classmethod
-    def load(cls, directory: Path, files: Mapping[str, str], priors_s: Mapping[str, float]) -> LatencyHeads:
+    def load(cls, directory: Path, files: Mapping[str, str], priors_s: Mapping[str, float],
+             errors: Mapping[str, float] | None = None) -> LatencyHeads:
         boosters = {}
         for tier, name in files.items():
             path = directory / name
@@ -120,4 +123,4 @@ class LatencyHeads:
                                     f"expected {list(FEATURES)}")
             booster.set_param({"nthread": 1})
             boosters[tier] = booster
-        return cls(boosters, priors_s)
+        return cls(boosters, priors_s, errors)

@@ -154,7 +154,8 @@ def _decision_lines(config, est: Estimators, estimate) -> list[str]:
                 t0 = time.perf_counter()
                 for _ in range(DECISION_REPEATS):
                     view = PoolState().snapshot(config.instances, now=0.0, stale_after_s=3.0)
-                    assign_batch(requests, given, view, RouteBalanceOptions(), est.heads.tpot, rng)
+                    assign_batch(requests, given, view, RouteBalanceOptions(), est.heads.tpot, rng,
+                                 est.heads.errors)
                 timed[name] = (time.perf_counter() - t0) / DECISION_REPEATS * 1000
             lines.append(f"{batch:>5} {timed['walked']:>7.2f} {timed['xgboost']:>8.2f}")
     finally:

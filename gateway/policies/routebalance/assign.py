@@ -14,12 +14,14 @@ the latency gains the seconds to prefill what a candidate would compute
 tier's prefill rate, counted for the request and for each request running
 there (a prefill step holds the whole decode batch). So a warm instance wins
 by what it saves, and only while its queue does not cost more than that:
-load stays priced, a warm instance is preferred, not flooded.
+load stays priced, a warm instance is preferred, not flooded. Between
+instances of one tier whose scores differ by less than the TPOT head can
+tell apart, the one holding more of the prompt wins (`warmest_within_error`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -76,6 +78,27 @@ class RouteBalanceOptions(Section):
         return self.latency_term == "heads" or (self.latency_term == "off" and self.tiebreak == "predicted")
 
 
+def warmest_within_error(ranking: np.ndarray, scores: np.ndarray, cached: np.ndarray, tiers: Sequence[str],
+                         tolerance: np.ndarray) -> np.ndarray:
+    """`ranking` with the candidate holding most of the prompt cached first, among the best's tier-mates whose
+    score is within the best's `tolerance` of it (then the rest in their order).
+
+    A tier's instances share one TPOT head, and what tells them apart is
+    its answer to their different states. The head misses by its held-out
+    relative error e, which moves the latency term (1 - T / max T) by up to
+    w_lat x e: score differences within that are noise of the estimate, and
+    the cached prefix is a saving the instance will show. In the simulator a
+    spread of 3-10% between the head's answers for idle and lightly loaded
+    3B instances outweighed the prefill a short history saves, and turns
+    left their history (docs/policies/prefix.md)."""
+    best = int(ranking[0])
+    near = [int(k) for k in ranking if tiers[k] == tiers[best] and scores[k] >= scores[best] - tolerance[best]]
+    warmest = max(near, key=lambda k: cached[k])  # the first of the most cached, in ranking order
+    if cached[warmest] <= cached[best]:
+        return ranking
+    return np.concatenate(([warmest], ranking[ranking != warmest]))
+
+
 def lpt_order(lengths: Sequence[np.ndarray]) -> list[int]:
     """Requests by their longest predicted answer over their candidates, longest first (stable)."""
     keys = [float(row.max()) if len(row) else 0.0 for row in lengths]
@@ -94,8 +117,12 @@ class BatchLatency:
     got one.
     """
 
-    def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None):
+    def __init__(self, batch: Sequence[RouteRequest], est: Estimates, view: PoolView, tpot: TpotFn | None,
+                 tpot_error: Mapping[str, float] | None = None):
         self.tpot_fn = tpot
+        # Per instance, its tier's TPOT head's held-out relative error (0: unknown, or the prior prices latency).
+        errors = tpot_error if tpot is not None and tpot_error is not None else {}
+        self.error = np.array([errors.get(tier, 0.0) for tier in view.tiers])
         self.inputs = np.array([r.input_tokens for r in batch], dtype=np.float64)
         self.length = est.length
         n, n_inst = est.length.shape
@@ -132,10 +159,13 @@ class BatchLatency:
 
 
 def assign_batch(batch: Sequence[RouteRequest], est: Estimates, view: PoolView, options: RouteBalanceOptions,
-                 tpot: TpotFn | None, rng: np.random.Generator) -> list[Decision]:
+                 tpot: TpotFn | None, rng: np.random.Generator,
+                 tpot_error: Mapping[str, float] | None = None) -> list[Decision]:
     """Algorithm 1: one Decision per request, in the batch's order. Updates `view` in place;
-    `rng` breaks the ties that remain after the tie-break keys."""
-    latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None)
+    `rng` breaks the ties that remain after the tie-break keys; `tpot_error` is each tier's TPOT head's held-out
+    relative error (the build's report), within which a prompt's cached prefix decides between a tier's
+    instances."""
+    latency = BatchLatency(batch, est, view, tpot if options.uses_heads else None, tpot_error)
     usable = [np.array(view.usable(r.candidates), dtype=np.int64) for r in batch]
     order = lpt_order([est.length[r, usable[r]] for r in range(len(batch))]) if options.lpt else range(len(batch))
     decisions: dict[int, Decision] = {}
@@ -192,6 +222,9 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
         ranking = np.lexsort((draw, queue, -rounded))
     else:
         ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
+    if cached is not None:
+        ranking = warmest_within_error(ranking, scores, cached, [view.tiers[c] for c in cands],
+                                       weights[1] * latency.error[cands])
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
                     latency_s=float(t[best]), tokens=float(length[best]),

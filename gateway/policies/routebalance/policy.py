@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,9 +17,11 @@ class RouteBalance(Policy):
     name = "routebalance"
     needs_estimates = True
 
-    def __init__(self, options: RouteBalanceOptions, tpot: TpotFn | None):
+    def __init__(self, options: RouteBalanceOptions, tpot: TpotFn | None,
+                 tpot_error: Mapping[str, float] | None = None):
         self.options = options
         self.tpot = tpot  # the TPOT heads; None falls back to the static prior
+        self.tpot_error = tpot_error  # each tier's head's held-out relative error
         self.rng = np.random.default_rng(options.seed)  # breaks exact ties: a run repeats, load spreads
 
     def prompt_blind(self, request: RouteRequest, view: PoolView) -> bool:
@@ -31,7 +33,7 @@ class RouteBalance(Policy):
     def assign(self, batch: Sequence[RouteRequest], estimates: Estimates | None, view: PoolView) -> list[Decision]:
         if estimates is None:
             raise ValueError("routebalance needs the batch's estimates")
-        return assign_batch(batch, estimates, view, self.options, self.tpot, self.rng)
+        return assign_batch(batch, estimates, view, self.options, self.tpot, self.rng, self.tpot_error)
 
     def compute_s(self, batch_size: int, cost: Any) -> float:
         return cost.score_s(batch_size, self.options.uses_heads)
@@ -39,7 +41,9 @@ class RouteBalance(Policy):
 
 def build(context: PolicyContext) -> RouteBalance:
     est = context.estimators
-    return RouteBalance(context.options("routebalance"), est.heads.tpot if est is not None else None)
+    if est is None:
+        return RouteBalance(context.options("routebalance"), None)
+    return RouteBalance(context.options("routebalance"), est.heads.tpot, est.heads.errors)
 
 
 OPTIONS = {"routebalance": RouteBalanceOptions}
