@@ -222,7 +222,7 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
         ranking = np.lexsort((draw, queue, -rounded))
     else:
         ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
-    if cached is not None:
+    if cached is not None and options.prefill_term == "cached":  # the cold ablation looks at no cache
         ranking = warmest_within_error(ranking, scores, cached, [view.tiers[c] for c in cands],
                                        weights[1] * latency.error[cands])
     best = ranking[0]
