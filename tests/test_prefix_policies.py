@@ -409,6 +409,25 @@ def test_between_tier_mates_the_cache_decides_within_the_heads_error():
     assert picks[0] == 1 and picks[1] != 1 and picks[2] != 1
 
 
+def test_without_a_latency_term_exact_ties_between_tier_mates_stay_the_queues():
+    """With w_lat = 0 a tier's instances tie exactly; the shorter queue breaks it, not the cache (else every
+    request of the tier would pile onto the instance that served first)."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    history = tokens(0, 32)
+    view = view_of(pool(3), in_flight=[0, 2, 1])
+    hold(view, 1, history)
+    reqs = [dataclasses.replace(request(history + tokens(9000 + 100 * k, 8), n=3), weights=(0.5, 0.0, 0.5))
+            for k in range(3)]
+    decisions = assign_batch(reqs, Estimates(np.full((3, 3), 0.5), np.full((3, 3), 100.0)), view,
+                             RouteBalanceOptions(), lambda tier, rows: np.full(len(rows), 0.01),
+                             np.random.default_rng(0), {"m": 0.05})
+    assert first(decisions)[0] == 0 and 1 not in first(decisions)[:2]
+
+
 def test_routebalance_without_prefixes_scores_as_the_paper():
     history = tokens(0, 1600)
     view = view_of(_small_pool(), in_flight=[0, 1, 0], prefixes=False)

@@ -92,6 +92,8 @@ def warmest_within_error(ranking: np.ndarray, scores: np.ndarray, cached: np.nda
     3B instances outweighed the prefill a short history saves, and turns
     left their history (docs/policies/prefix.md)."""
     best = int(ranking[0])
+    if tolerance[best] <= 0:  # no latency term, or no error known: exact ties stay the queue's to break
+        return ranking
     near = [int(k) for k in ranking if tiers[k] == tiers[best] and scores[k] >= scores[best] - tolerance[best]]
     warmest = max(near, key=lambda k: cached[k])  # the first of the most cached, in ranking order
     if cached[warmest] <= cached[best]:
