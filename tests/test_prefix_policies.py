@@ -459,6 +459,30 @@ def test_a_heavier_own_prefill_keeps_a_turn_where_its_history_is():
         RouteBalanceOptions(prefill_weight=0.5)
 
 
+def test_the_running_batchs_share_of_a_miss_weighs_by_its_weight():
+    """prefill_running_weight scales what a miss's prefill costs the requests running beside it: the same busy
+    warm instance as above loses at 0 and 1 and wins at 2 (cold: 10 s + 1.64 s x (4 + 2r); warm: 20 s + 0.04 s
+    x (4 + 4r))."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    history = tokens(0, 1600)
+    prompt = request(history + tokens(9000, 40), n=3)
+    picks = {}
+    for share in (0.0, 1.0, 2.0):
+        busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
+        hold(busy, 1, history)
+        busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3), pending_decode=busy.running * 1000.0)
+        (d,) = assign_batch([prompt], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 1000.0)), busy,
+                            RouteBalanceOptions(prefill_running_weight=share), None, np.random.default_rng(0))
+        picks[share] = d.ranked[0]
+    assert picks[0.0] != 1 and picks[1.0] != 1 and picks[2.0] == 1
+    with pytest.raises(ValueError, match="prefill_running_weight"):
+        RouteBalanceOptions(prefill_running_weight=-0.1)
+
+
 # ---- pending prefill: what an instance must compute, not the whole prompt ------------------------------------
 
 

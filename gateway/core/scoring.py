@@ -72,14 +72,14 @@ def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.
 
 
 def prefill_latency(prefill_s_per_token: np.ndarray, input_tokens: int, cached_tokens: np.ndarray,
-                    running: np.ndarray, own_weight: float = 1.0) -> np.ndarray:
+                    running: np.ndarray, own_weight: float = 1.0, running_weight: float = 1.0) -> np.ndarray:
     """Seconds of prefill each candidate would add: the prompt minus the prefix it holds cached, at its prefill
     rate, waited through by the request (`own_weight` times: once as part of its end-to-end time, more to favour
     its first token) and by each of the `running` requests whose decode steps it holds (vLLM runs a prefill chunk
-    in the same step as the batch's decodes). Measured in the simulator, pricing the request's own prefill alone
-    left a warm instance losing to a slightly less loaded cold one: the misses' prefill then slowed everyone there
-    (docs/results/prefix.md)."""
-    return prefill_s_per_token * np.maximum(input_tokens - cached_tokens, 0.0) * (own_weight + running)
+    in the same step as the batch's decodes), each counted `running_weight` times. Measured in the simulator,
+    pricing the request's own prefill alone left a warm instance losing to a slightly less loaded cold one: the
+    misses' prefill then slowed everyone there (docs/results/prefix.md)."""
+    return prefill_s_per_token * np.maximum(input_tokens - cached_tokens, 0.0) * (own_weight + running_weight * running)
 
 
 def min_max(x: np.ndarray) -> np.ndarray:

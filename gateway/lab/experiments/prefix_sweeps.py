@@ -64,6 +64,8 @@ BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approx
 COLD = "prefill priced cold"  # RouteBalance's prefill term with every prompt priced as if nothing were cached
 END_TO_END_WEIGHT = 1.0  # [policies.routebalance] prefill_weight of the cell that prices end-to-end time alone
 END_TO_END = f"prefill_weight={END_TO_END_WEIGHT:g}"
+HALF_SHARE_WEIGHT = 0.5  # prefill_running_weight of the cell that counts the running batch's share at half
+HALF_SHARE = f"prefill_running_weight={HALF_SHARE_WEIGHT:g}"
 
 
 def sources(n: int) -> list[tuple[PrefixSource, int]]:
@@ -91,6 +93,10 @@ def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
             # default weighs its time to first token too).
             out.append(Cell(RB, END_TO_END, spec, config_changes=(
                 ("routebalance", {"prefill_weight": END_TO_END_WEIGHT}),), tags=tags))
+            # The running batch's share of a miss's prefill at half: a point between the request's own latency
+            # and the pool's total, which trades time to first token against cost.
+            out.append(Cell(RB, HALF_SHARE, spec, config_changes=(
+                ("routebalance", {"prefill_running_weight": HALF_SHARE_WEIGHT}),), tags=tags))
             for policy in BASELINES:
                 spec = CellSpec(policy, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
                 out.append(Cell(policy, policy, spec, tags=tags))
@@ -110,10 +116,11 @@ def pairs(cells_: list[Cell]) -> list:
         others += [(p, {"system": p, **where}) for p in BASELINES]
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]
-        e2e_only = {"system": RB, "label": END_TO_END, **where}
-        out += [Pair(f"{prompts} at {load:g}: {END_TO_END} vs {name}", e2e_only, side, PAIRED_FIGURES,
-                     relative=True, at=where) for name, side in [("routebalance", ours), *others]
-                if name not in ("events", "the prefill priced cold")]
+        for variant in (END_TO_END, HALF_SHARE):
+            side_ = {"system": RB, "label": variant, **where}
+            out += [Pair(f"{prompts} at {load:g}: {variant} vs {name}", side_, side, PAIRED_FIGURES,
+                         relative=True, at=where) for name, side in [("routebalance", ours), *others]
+                    if name not in ("events", "the prefill priced cold")]
     return out
 
 

@@ -60,7 +60,12 @@ class RouteBalanceOptions(Section):
     prefill counts (1: once, in its end-to-end time, as Eq. 1 prices
     latency; the default 4 weighs its time to first token too, which a
     streaming client waits through before it sees anything, and so favours
-    warm instances).
+    warm instances); prefill_running_weight: how much the prefill's hold on
+    each request running beside it counts (1: as much as the request's own
+    time, so the score prices the pool's total; 0: the request's own latency
+    alone). On a trace with long histories the share moves cold prompts off
+    busy cheap tiers: less time to first token for more cost
+    (docs/results/prefix.md says how much at 0.5 and 1).
     """
 
     quality_term: QualityTerm = "raw"
@@ -70,6 +75,7 @@ class RouteBalanceOptions(Section):
     budget_filter: bool = True
     prefill_term: PrefillTerm = "cached"
     prefill_weight: float = option(4.0, ge=1)
+    prefill_running_weight: float = option(1.0, ge=0)
     seed: int = 0
 
     @property
@@ -197,7 +203,7 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     if cached is not None:
         priced = cached if options.prefill_term == "cached" else np.zeros_like(cached)
         t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.running[cands],
-                                options.prefill_weight)
+                                options.prefill_weight, options.prefill_running_weight)
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
