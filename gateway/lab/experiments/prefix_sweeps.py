@@ -117,8 +117,8 @@ def pairs(cells_: list[Cell]) -> list:
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]
         for variant in (END_TO_END, HALF_SHARE):
-            side_ = {"system": RB, "label": variant, **where}
-            out += [Pair(f"{prompts} at {load:g}: {variant} vs {name}", side_, side, PAIRED_FIGURES,
+            cell = {"system": RB, "label": variant, **where}
+            out += [Pair(f"{prompts} at {load:g}: {variant} vs {name}", cell, side, PAIRED_FIGURES,
                          relative=True, at=where) for name, side in [("routebalance", ours), *others]
                     if name not in ("events", "the prefill priced cold")]
     return out
