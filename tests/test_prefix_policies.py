@@ -435,25 +435,32 @@ def test_routebalance_without_prefixes_scores_as_the_paper():
     assert d.cached_tokens is None and d.ranked[0] != 1
 
 
-def test_a_heavier_own_prefill_keeps_a_turn_where_its_history_is():
-    """prefill_weight counts the request's own prefill more than once (its time to first token): the busy warm
-    instance that loses above (at the default, 4) and at 1 wins at 6 (cold: 10 s + 1.64 s x (w + 2); warm: 20 s
-    + 0.04 s x (w + 4))."""
+def _pick_beside_a_busy_warm_instance(**options) -> int:
+    """Where RouteBalance (with these options) sends a turn whose 1,600-token history instance 1 holds, instance 1
+    being the busiest (4 in flight, 3 waiting, against 2 and 0 on the cold ones): cold, 10 s of decode and 1.64 s
+    of prefill for itself and each of its 2 running; warm, 20 s and 0.04 s for itself and each of its 4."""
     import dataclasses
 
     from gateway.core.request import Estimates
     from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
 
     history = tokens(0, 1600)
-    prompt = request(history + tokens(9000, 40), n=3)
-    picks = {}
-    for own in (1.0, 4.0, 6.0):
-        busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
-        hold(busy, 1, history)
-        busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3), pending_decode=busy.running * 1000.0)
-        (d,) = assign_batch([prompt], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 1000.0)), busy,
-                            RouteBalanceOptions(prefill_weight=own), None, np.random.default_rng(0))
-        picks[own] = d.ranked[0]
+    busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
+    hold(busy, 1, history)
+    busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3), pending_decode=busy.running * 1000.0)
+    (d,) = assign_batch([request(history + tokens(9000, 40), n=3)],
+                        Estimates(np.full((1, 3), 0.5), np.full((1, 3), 1000.0)), busy,
+                        RouteBalanceOptions(**options), None, np.random.default_rng(0))
+    return d.ranked[0]
+
+
+def test_a_heavier_own_prefill_keeps_a_turn_where_its_history_is():
+    """prefill_weight counts the request's own prefill more than once (its time to first token): the busy warm
+    instance that loses above (at the default, 4) and at 1 wins at 6 (cold: 10 s + 1.64 s x (w + 2); warm: 20 s
+    + 0.04 s x (w + 4))."""
+    from gateway.policies.routebalance.assign import RouteBalanceOptions
+
+    picks = {own: _pick_beside_a_busy_warm_instance(prefill_weight=own) for own in (1.0, 4.0, 6.0)}
     assert picks[1.0] != 1 and picks[4.0] != 1 and picks[6.0] == 1
     with pytest.raises(ValueError, match="prefill_weight"):
         RouteBalanceOptions(prefill_weight=0.5)
@@ -463,21 +470,9 @@ def test_the_running_batchs_share_of_a_miss_weighs_by_its_weight():
     """prefill_running_weight scales what a miss's prefill costs the requests running beside it: the same busy
     warm instance as above loses at 0 and 1 and wins at 2 (cold: 10 s + 1.64 s x (4 + 2r); warm: 20 s + 0.04 s
     x (4 + 4r))."""
-    import dataclasses
+    from gateway.policies.routebalance.assign import RouteBalanceOptions
 
-    from gateway.core.request import Estimates
-    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
-
-    history = tokens(0, 1600)
-    prompt = request(history + tokens(9000, 40), n=3)
-    picks = {}
-    for share in (0.0, 1.0, 2.0):
-        busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
-        hold(busy, 1, history)
-        busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3), pending_decode=busy.running * 1000.0)
-        (d,) = assign_batch([prompt], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 1000.0)), busy,
-                            RouteBalanceOptions(prefill_running_weight=share), None, np.random.default_rng(0))
-        picks[share] = d.ranked[0]
+    picks = {share: _pick_beside_a_busy_warm_instance(prefill_running_weight=share) for share in (0.0, 1.0, 2.0)}
     assert picks[0.0] != 1 and picks[1.0] != 1 and picks[2.0] == 1
     with pytest.raises(ValueError, match="prefill_running_weight"):
         RouteBalanceOptions(prefill_running_weight=-0.1)
