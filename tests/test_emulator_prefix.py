@@ -28,6 +28,7 @@ from gateway.config.store import ConfigStore, default_config_path
 from gateway.config_schema import ConfigError
 from gateway.core.prefix import block_hashes
 from gateway.lab.emulator.kv_events import BlockTable, KvEventPublisher, as_map
+from gateway.serving.telemetry import parse_vllm_metrics
 from gateway.tokens import TokenCounter
 
 BLOCK = 16
@@ -126,7 +127,8 @@ def full_blocks_before_last_token(prompt_tokens: int) -> int:
 # ---- usage and /metrics --------------------------------------------------------------------------------------
 def test_a_repeated_prompt_reports_its_cached_tokens_and_the_counters_count_them(pool):
     client, model, url = pool.client("caching"), "Qwen/Qwen2.5-7B-Instruct", pool.cfg("caching").url
-    before = families(url)
+    before_page = httpx.get(url + "/metrics", timeout=5).text
+    before = {f.name: f for f in text_string_to_metric_families(before_page)}
     text = document(1)
     first = chat(client, model, text)
     assert first.usage.prompt_tokens > 20 * BLOCK
@@ -145,6 +147,14 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_counters_count_them
     assert after["vllm:prefix_cache_queries"].type == after["vllm:prefix_cache_hits"].type == "counter"
     (info,) = after["vllm:cache_config_info"].samples
     assert info.labels["enable_prefix_caching"] == "True"
+    # what the three prefilled: each prompt minus what it found cached, as vLLM's histogram counts it
+    computed = "vllm:request_prefill_kv_computed_tokens"
+    (total,) = [s.value - b.value for s in after[computed].samples for b in before[computed].samples
+                if s.name == b.name == computed + "_sum"]
+    assert total == 3 * prompt - 2 * hit
+    snap, was = parse_vllm_metrics(httpx.get(url + "/metrics", timeout=5).text), parse_vllm_metrics(before_page)
+    assert snap.prefill_computed_tokens - was.prefill_computed_tokens == total
+    assert snap.prefills - was.prefills == 3 and snap.prefill_seconds > was.prefill_seconds
 
 
 def test_completions_report_cached_tokens_streamed_or_not(pool):

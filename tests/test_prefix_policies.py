@@ -435,10 +435,11 @@ def test_routebalance_without_prefixes_scores_as_the_paper():
     assert d.cached_tokens is None and d.ranked[0] != 1
 
 
-def _pick_beside_a_busy_warm_instance(**options) -> int:
+def _pick_beside_a_busy_warm_instance(prefill_s: float = 1e-3, **options) -> int:
     """Where RouteBalance (with these options) sends a turn whose 1,600-token history instance 1 holds, instance 1
     being the busiest (4 in flight, 3 waiting, against 2 and 0 on the cold ones): cold, 10 s of decode and 1.64 s
-    of prefill for itself and each of its 2 running; warm, 20 s and 0.04 s for itself and each of its 4."""
+    of prefill (at the default 1 ms a token) for itself and each of its 2 running; warm, 20 s and 0.04 s for
+    itself and each of its 4."""
     import dataclasses
 
     from gateway.core.request import Estimates
@@ -447,7 +448,7 @@ def _pick_beside_a_busy_warm_instance(**options) -> int:
     history = tokens(0, 1600)
     busy = view_of(_small_pool(), in_flight=[2, 4, 2], waiting=[0, 3, 0])
     hold(busy, 1, history)
-    busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3), pending_decode=busy.running * 1000.0)
+    busy = dataclasses.replace(busy, prefill_s=np.full(3, prefill_s), pending_decode=busy.running * 1000.0)
     (d,) = assign_batch([request(history + tokens(9000, 40), n=3)],
                         Estimates(np.full((1, 3), 0.5), np.full((1, 3), 1000.0)), busy,
                         RouteBalanceOptions(**options), None, np.random.default_rng(0))
@@ -476,6 +477,14 @@ def test_the_running_batchs_share_of_a_miss_weighs_by_its_weight():
     assert picks[0.0] != 1 and picks[1.0] != 1 and picks[2.0] == 1
     with pytest.raises(ValueError, match="prefill_running_weight"):
         RouteBalanceOptions(prefill_running_weight=-0.1)
+
+
+def test_a_slower_measured_prefill_keeps_a_turn_where_its_history_is():
+    """The prefill rate the view carries (the tier's, refined from what its instances report: core/prefill_rate.py)
+    prices a miss: the busy warm instance loses at 1 ms a token (cold: 10 s + 1.64 s x 6; warm: 20 s + 0.04 s x 8)
+    and wins at 2 ms (cold: 10 s + 3.28 s x 6; warm: 20 s + 0.08 s x 8)."""
+    assert _pick_beside_a_busy_warm_instance(1e-3) != 1
+    assert _pick_beside_a_busy_warm_instance(2e-3) == 1
 
 
 # ---- pending prefill: what an instance must compute, not the whole prompt ------------------------------------

@@ -10,8 +10,10 @@ import httpx
 import msgpack
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Stack, dump_toml, free_port, pool_config, wait_for
+from gateway.core.engine.profiles import prefill_s_per_token
 from gateway.core.pool_state import EngineSnapshot, PoolState
 from gateway.serving.kv_events import LATE_S, REWARM_S, SILENCE_S, KvEventReader
 from gateway.tenancy.keys import hash_key
@@ -83,6 +85,26 @@ def test_a_conversation_stays_where_its_history_is_and_moves_when_that_instance_
         placed = list(pool.map(branch, range(8)))
     on_warm = placed.count(first)
     assert 2 <= on_warm <= 6, placed
+
+
+def test_the_prefill_rate_a_miss_is_priced_at_comes_from_what_the_tier_reported(stack):
+    """The emulated 3B instances report their prefill times and computed tokens (vLLM's histograms); the gateway
+    fits its tier's rate from them, one rate for the three, moved off the profile's prior (the measured times
+    include the chunks' decode steps, which the prior leaves out)."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key=KEY_A, max_retries=0)
+    for k in range(6):
+        _turn(client, [{"role": "user", "content": f"Sort parcels {k}: " + SYSTEM[k * 50:]}])
+    prior = prefill_s_per_token(SMALL, "A30-24GB")
+
+    def rates() -> set[float]:
+        page = text_string_to_metric_families(httpx.get(stack.root + "/metrics", timeout=5).text)
+        (family,) = [f for f in page if f.name == "routebalance_prefill_seconds_per_token"]
+        small = {i.name for i in stack.store.current.instances if i.model == SMALL}
+        return {s.value for s in family.samples if s.labels["instance"] in small}
+
+    wait_for(lambda: len(rates()) == 1 and rates() != {prior}, what="the 3B tier's rate off its prior")
+    (rate,) = rates()
+    assert prior / 2 < rate < 2 * prior
 
 
 def test_a_key_with_its_own_cache_salt_never_gets_another_keys_hit(stack):

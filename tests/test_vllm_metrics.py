@@ -75,6 +75,7 @@ EXPECTED_TYPES = {
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
     "vllm:request_params_max_tokens": "histogram",
     "vllm:request_max_num_generation_tokens": "histogram",
@@ -207,7 +208,8 @@ def test_observe_finished_lands_in_the_right_buckets():
     m = make()
     finished(m)
     finished(m, finished_reason="length", ttft_s=1.7, e2e_s=40.0, queue_s=0.0, prefill_s=0.5,
-             decode_s=30.0, inference_s=30.5, prompt_tokens=3000, generation_tokens=512, max_tokens=None)
+             decode_s=30.0, inference_s=30.5, prompt_tokens=3000, generation_tokens=512, max_tokens=None,
+             cached_tokens=2800)
     finished(m, finished_reason="abort", ttft_s=None, e2e_s=0.2, queue_s=0.2, prefill_s=0.0,
              decode_s=0.0, inference_s=0.0, prompt_tokens=10, generation_tokens=0, max_tokens=16)
     fams = parse(m)
@@ -240,6 +242,11 @@ def test_observe_finished_lands_in_the_right_buckets():
 
     pt = buckets(fams, "vllm:request_prompt_tokens")
     assert pt[10.0] == 1 and pt[500.0] == 2 and pt[2000.0] == 2 and pt[math.inf] == 3
+    # computed, not cached: 300, 3000 - 2800 = 200, 10
+    kv = buckets(fams, "vllm:request_prefill_kv_computed_tokens")
+    assert kv[10.0] == 1 and kv[200.0] == 2 and kv[500.0] == 3
+    kvn = "vllm:request_prefill_kv_computed_tokens"
+    assert sample(fams, kvn, kvn + "_sum") == 510
     gt = buckets(fams, "vllm:request_generation_tokens")
     assert gt[1.0] == 1 and gt[100.0] == 1 and gt[200.0] == 2 and gt[1000.0] == 3
     mt = buckets(fams, "vllm:request_params_max_tokens")

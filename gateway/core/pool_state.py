@@ -28,6 +28,7 @@ import numpy as np
 
 from gateway.core.budget import price_arrays
 from gateway.core.engine.profiles import prefill_s_per_token
+from gateway.core.prefill_rate import PrefillFit
 from gateway.core.prefix import REPORTED_SLACK, PrefixIndex, ReportedBlocks, cacheable_blocks
 from gateway.core.settings import HealthRules, InstanceSettings, SchedulerSettings
 from gateway.core.view import PoolView, tier_key
@@ -101,6 +102,11 @@ class EngineSnapshot:
     num_gpu_blocks: int = 0  # its KV capacity in blocks (vllm:cache_config_info); 0: not known
     prefix_queries: float = 0.0  # cumulative prompt tokens looked up in its prefix cache (vllm:prefix_cache_queries)
     prefix_hits: float = 0.0  # of which it found cached (vllm:prefix_cache_hits)
+    # finished requests' prefill: how many (vllm:request_prefill_time_seconds_count), their seconds (its _sum) and
+    # the prompt tokens they computed, not found cached (vllm:request_prefill_kv_computed_tokens_sum)
+    prefills: float = 0.0
+    prefill_seconds: float = 0.0
+    prefill_computed_tokens: float = 0.0
 
 
 NO_SCRAPE = EngineSnapshot(0, 0, 0, 0, 0)
@@ -148,6 +154,7 @@ class InstanceState:
     reported: ReportedBlocks | None = None  # the blocks its KV-cache events say it holds (made by the reader)
     events_ok: bool = False  # its event stream is healthy: `reported` is the index to read
     kv_blocks: int = 0  # its KV capacity in blocks, from its metrics (0: not known yet)
+    prefill_fit: PrefillFit = field(default_factory=PrefillFit)  # its prefill rate as measured (core/prefill_rate.py)
 
     def routable(self, now: float) -> bool:
         return self.health.routable(now) and now >= self.others_cooldown_until
@@ -166,6 +173,10 @@ class InstanceState:
                 self.reported.resize(min(self.reported.index.capacity, REPORTED_SLACK * snap.num_gpu_blocks))
         if self.last is not None and now > self.last_at:
             self.decode_rate = max(0.0, (snap.generation_tokens - self.last.generation_tokens) / (now - self.last_at))
+        if self.last is not None and snap.prefill_computed_tokens > 0:  # a page without the histogram: the prior
+            self.prefill_fit.observe(snap.prefills - self.last.prefills,
+                                     snap.prefill_computed_tokens - self.last.prefill_computed_tokens,
+                                     snap.prefill_seconds - self.last.prefill_seconds)
         self.last, self.last_at = snap, now
 
     def dispatched(self, rid, prefill_tokens: float, output_tokens: float, now: float = 0.0,
@@ -326,8 +337,19 @@ class PoolState:
             "prefixes": tuple((s.prefix_index(scheduler.prefix_cache) or empty) if i.prefix_caching else None
                               for s, i in zip(states, instances, strict=True)),
             "block_size": scheduler.prefix_block_tokens,
-            "prefill_s": np.array([_prefill_prior(i.model, i.gpu, i.gpu_count) for i in instances]),
+            "prefill_s": prefill_rates(instances, states),
         }
+
+
+def prefill_rates(instances: Sequence[InstanceSettings], states: Sequence[InstanceState]) -> np.ndarray:
+    """Each instance's tier's prefill rate: the profile's prior refined by the prefill times its tier-mates in the
+    pool reported (pooled: they run one model on one kind of GPU)."""
+    fits: dict[tuple[str, str, int], PrefillFit] = {}
+    for inst, state in zip(instances, states, strict=True):
+        tier = (inst.model, inst.gpu, inst.gpu_count)
+        fits[tier] = fits[tier] + state.prefill_fit if tier in fits else state.prefill_fit
+    return np.array([fits[(i.model, i.gpu, i.gpu_count)].rate(_prefill_prior(i.model, i.gpu, i.gpu_count),
+                                                               i.tpot_prior_ms / 1000) for i in instances])
 
 
 @functools.lru_cache(maxsize=256)

@@ -57,7 +57,7 @@ class PoolView:
     # looks at no prefix ([scheduler] prefix_cache = "off").
     prefixes: tuple[PrefixIndex | None, ...] = ()
     block_size: int = 16  # tokens a prefix block holds
-    prefill_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the tier's prior seconds per prompt token
+    prefill_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the tier's seconds per computed prompt token
     # Prompts dispatched by this working copy (dead reckoning), per instance: later requests of the batch find them.
     sent: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 

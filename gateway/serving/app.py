@@ -25,7 +25,7 @@ from gateway.api.responses import ResponsesRequest, parse_responses
 from gateway.config.sections import ApiKey, Config, TracingConfig
 from gateway.config.store import ConfigStore
 from gateway.config.watch import watch_file
-from gateway.core.pool_state import PoolState
+from gateway.core.pool_state import PoolState, prefill_rates
 from gateway.core.request import Completion, RouteRequest
 from gateway.policies import registry
 from gateway.serving.body import read_body
@@ -447,7 +447,10 @@ class Gateway:
         GAUGES_EVERY_S, since a scrape reaches one worker and the page counts every worker's last values)."""
         cfg, now = self.store.current, asyncio.get_running_loop().time()
         m = self.metrics
-        for inst, state in self.scheduler.instance_states(cfg):
+        pairs = list(self.scheduler.instance_states(cfg))
+        rates = prefill_rates([inst for inst, _ in pairs], [state for _, state in pairs])
+        for (inst, state), rate in zip(pairs, rates, strict=True):
+            m.prefill_rate.labels(inst.name).set(rate)
             m.instance_routable.labels(inst.name).set(state.routable(now))
             m.instance_in_flight.labels(inst.name).set(len(state.in_flight) + state.others.requests)
             snap = state.last

@@ -129,6 +129,10 @@ class GatewayMetrics:
                                          "of the instance, by source (sent: what this process sent it; reported: "
                                          "its KV-cache events); with workers, the largest worker's",
                                          ("instance", "source"), registry=r, multiprocess_mode="livemax")
+        self.prefill_rate = Gauge("routebalance_prefill_seconds_per_token", "Seconds per computed prompt token the "
+                                  "scheduler prices a miss at on the instance: its tier's prior, refined from the "
+                                  "prefill times its tier-mates report (vllm:request_prefill_time_seconds)",
+                                  ("instance",), registry=r, multiprocess_mode="livemostrecent")
         self.kv_events_up = Gauge("routebalance_kv_events_up", "1 while the instance's KV-cache event stream is "
                                   "read and healthy (the index follows it), 0 when the approximate index stands in",
                                   ("instance",), registry=r, multiprocess_mode="livemostrecent")

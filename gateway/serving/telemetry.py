@@ -34,9 +34,11 @@ _GAUGES = {
 _COUNTERS = {"vllm:generation_tokens": "generation", "vllm:prompt_tokens": "prompt",
              "vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits"}
 _CACHE_CONFIG = "vllm:cache_config"  # vllm:cache_config_info: the KV capacity is its num_gpu_blocks label
+# Histograms read by their _sum and _count (the prefill rate's measurements, core/prefill_rate.py)
+_HISTOGRAMS = {"vllm:request_prefill_time_seconds": "prefill", "vllm:request_prefill_kv_computed_tokens": "computed"}
 
 
-_WANTED = (*_GAUGES, *_COUNTERS, _CACHE_CONFIG)
+_WANTED = (*_GAUGES, *_COUNTERS, *_HISTOGRAMS, _CACHE_CONFIG)
 
 
 def _wanted_lines(text: str) -> str:
@@ -68,6 +70,12 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
         if name.startswith(_CACHE_CONFIG):  # one sample per engine (data-parallel rank), each its own KV cache
             blocks = sum(_int_label(s.labels, "num_gpu_blocks") for s in family.samples)
             continue
+        if name in _HISTOGRAMS:
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")):
+                    key = _HISTOGRAMS[name] + sample.name[sample.name.rindex("_"):]
+                    sums[key] = sums.get(key, 0.0) + sample.value
+            continue
         key = _GAUGES.get(name) or _COUNTERS.get(name)
         if key is None:
             continue
@@ -90,6 +98,9 @@ def parse_vllm_metrics(text: str) -> EngineSnapshot:
         num_gpu_blocks=blocks,
         prefix_queries=sums.get("prefix_queries", 0.0),
         prefix_hits=sums.get("prefix_hits", 0.0),
+        prefills=sums.get("prefill_count", 0.0),
+        prefill_seconds=sums.get("prefill_sum", 0.0),
+        prefill_computed_tokens=sums.get("computed_sum", 0.0),
     )
 
 

@@ -139,6 +139,7 @@ class EmulatedInstance:
             generation_tokens=seq.generated,
             max_tokens=seq.max_tokens,
             n=None if seq.group is not None else 1,
+            cached_tokens=seq.cached_tokens or 0,
         )
         if seq.group is not None:  # the request's own histograms, once its last sample is done
             counts = self._groups[seq.group]

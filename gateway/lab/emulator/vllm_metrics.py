@@ -237,6 +237,11 @@ class VllmMetrics:
         self._h_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
+        self._h_prefill_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
+        )
         self._h_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
@@ -402,6 +407,7 @@ class VllmMetrics:
         generation_tokens: int,
         max_tokens: int | None,
         n: int | None = 1,
+        cached_tokens: int = 0,
     ) -> None:
         """A finished request, as vLLM records one; with ``n`` None, one
         sample of a request for several answers, whose ``n`` and longest
@@ -414,7 +420,8 @@ class VllmMetrics:
         ``ttft_s`` is observed here unless it is None (then either the request
         never produced a token, or ``observe_ttft`` already recorded it).
         ``max_tokens`` is observed only when the client set it (truthy), as in
-        vLLM. Negative intervals are clamped to 0.
+        vLLM. Negative intervals are clamped to 0. ``cached_tokens``: of the
+        prompt, found in the prefix cache (the rest is the KV computed).
         """
         success = self._success.get(finished_reason)
         if success is None:
@@ -431,6 +438,7 @@ class VllmMetrics:
         decode = decode_s if decode_s > 0.0 else 0.0
         self._h_decode.observe(decode)
         self._h_prompt_tokens.observe(prompt_tokens)
+        self._h_prefill_computed.observe(max(prompt_tokens - cached_tokens, 0))
         self._h_generation_tokens.observe(generation_tokens)
         # Mean time per output token excludes the token the prefill produced.
         self._h_request_tpot.observe(decode / (generation_tokens - 1) if generation_tokens > 1 else 0.0)

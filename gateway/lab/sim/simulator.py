@@ -318,6 +318,8 @@ class Simulation:
         self.prices_in, self.prices_out = price_arrays(instances)
         self.generated = np.zeros(len(instances))  # cumulative counters, as vLLM exports them
         self.prefilled = np.zeros(len(instances))
+        # finished requests' prefill histograms' _count and _sum, and their computed tokens' _sum (core/prefill_rate.py)
+        self.prefill_hist = np.zeros((len(instances), 3))
         self.moe = [e.experts is not None for e in self.engines]
         self.experts, self.moe_steps = 0.0, 0  # MoE instances: experts loaded, summed over their steps
         self.warming = policy.overrides("warm") and any(gpu.shared for gpu in self.gpus)
@@ -368,6 +370,10 @@ class Simulation:
             for k, report in gpu.advance(t).items():
                 self.generated[k] += report.generation_tokens
                 self.prefilled[k] += report.prompt_tokens
+                for seq in report.finished:
+                    if seq.first_token_time is not None and seq.first_scheduled is not None:
+                        self.prefill_hist[k] += (1, seq.first_token_time - seq.first_scheduled,
+                                                 seq.prompt_tokens - (seq.cached_tokens or 0))
                 if self.moe[k]:
                     self.experts += report.experts
                     self.moe_steps += report.steps
@@ -421,7 +427,9 @@ class Simulation:
                 continue
             rep.pool_state.of(inst.name).scraped(
                 EngineSnapshot(e.num_running, e.num_waiting, e.kv_usage(), self.generated[k], self.prefilled[k],
-                               e.spec.num_gpu_blocks), t)
+                               e.spec.num_gpu_blocks, prefills=self.prefill_hist[k, 0],
+                               prefill_seconds=self.prefill_hist[k, 1],
+                               prefill_computed_tokens=self.prefill_hist[k, 2]), t)
 
     def tick(self, rep: Replica, t: float) -> None:
         """The replica's sync tick: it publishes its share of the work (as of what it has heard) and reads
