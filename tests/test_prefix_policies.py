@@ -397,16 +397,21 @@ def test_between_tier_mates_the_cache_decides_within_the_heads_error():
         return 0.01 * (1 + 0.05 * rows[:, 4])
 
     history = tokens(0, 32)
-    picks = []
-    for error in (0.05, 0.01, None):
+
+    def pick(error: float | None, **options) -> int:
         view = view_of(pool(3), in_flight=[0, 1, 0])
         hold(view, 1, history)
         view = dataclasses.replace(view, prefill_s=np.full(3, 1e-4))
         (d,) = assign_batch([request(history + tokens(9000, 8), n=3)], Estimates(np.full((1, 3), 0.5),
-                            np.full((1, 3), 100.0)), view, RouteBalanceOptions(), tpot, np.random.default_rng(0),
-                            None if error is None else {"m": error})
-        picks.append(d.ranked[0])
-    assert picks[0] == 1 and picks[1] != 1 and picks[2] != 1
+                            np.full((1, 3), 100.0)), view, RouteBalanceOptions(**options), tpot,
+                            np.random.default_rng(0), None if error is None else {"m": error})
+        return d.ranked[0]
+
+    assert pick(0.05) == 1 and pick(0.01) != 1 and pick(None) != 1
+    # tie_tolerance widens the band in multiples of it: 3 x 0.0033 is still under 0.012 apart, 4 x is over; 0
+    # leaves the score alone
+    assert pick(0.01, tie_tolerance=3) != 1 and pick(0.01, tie_tolerance=4) == 1
+    assert pick(0.05, tie_tolerance=0) != 1
 
 
 def test_without_a_latency_term_exact_ties_between_tier_mates_stay_the_queues():

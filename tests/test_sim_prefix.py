@@ -98,6 +98,20 @@ def test_the_synthetic_multi_turn_mix_runs_every_baseline(small_sim):
     assert all(r["served"] == 200 and r["prefix_hit_rate"] > 0.3 for r in rows.values()), rows
 
 
+def test_an_answer_cap_asks_for_no_more_and_cuts_every_answer(small_sim):
+    """`sim --max-tokens N` replays what a live load test asks for: the trace's rows keep their prompts and
+    arrivals, and no request asks for, or gets, more than N answer tokens."""
+    cfg, est, ev = small_sim
+    capped = Simulation(cfg, ev, CellSpec(requests=60, arrivals=ArrivalSpec(rate=3.0), prefixed=TRACE,
+                                          model=SMALL, seed=1, answer_cap=16), est)
+    capped.run()
+    whole, _, _ = _cell(small_sim, "approximate")
+    assert all(t.request.max_tokens == min(16, w.request.max_tokens)
+               for t, w in zip(capped.tickets, whole.tickets, strict=False))
+    assert max(seq.generated for _, seq in capped.sequences.values()) <= 16
+    assert max(seq.generated for _, seq in whole.sequences.values()) > 16
+
+
 def test_sim_trace_json_prints_one_object_with_the_trace_figures(tmp_path, built):
     config = pool_config(tmp_path, built[0].estimators.models_dir)
     run = subprocess.run([sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim", "--config",
@@ -112,6 +126,10 @@ def test_sim_trace_json_prints_one_object_with_the_trace_figures(tmp_path, built
     bad = subprocess.run([sys.executable, "-m", "gateway.cli", "sim", "--config", str(config), "--load", "0.5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--load needs --trace or --multi-turn" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "gateway.cli", "sim", "--config", str(config), "--trace",
+                          str(MOONCAKE_TRACE), "--load", "0.5", "--max-tokens", "128"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "give --rate with --max-tokens" in bad.stderr
 
 
 def test_replicas_share_what_they_sent_so_turns_through_another_replica_find_their_instance(small_sim):

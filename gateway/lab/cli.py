@@ -149,6 +149,9 @@ def add_commands(sub, config_option) -> None:
     p.add_argument("--load", type=float,
                    help="with --trace or --multi-turn: the arrival rate as a share of the pool's capacity on those "
                         "prompts (measured once with a dispatcher that ignores the cache), instead of --rate")
+    p.add_argument("--max-tokens", type=int, dest="answer_cap", metavar="N",
+                   help="one cell: every request asks for at most N answer tokens (as loadtest/prefix_live.py "
+                        "asks for 128); default: 1024 for the held-out prompts, a trace row's own answer")
     p.add_argument("--replicas", type=int, default=1,
                    help="one cell: gateway replicas behind a round-robin balancer, sharing their in-flight work")
     p.add_argument("--staleness-ms", type=float, default=0.0,
@@ -361,6 +364,9 @@ def cmd_sim(args) -> int:
         if args.load is not None:
             from gateway.lab.experiments.prefix_sweeps import capacity
 
+            if args.answer_cap is not None:
+                raise ValueError("--load is a share of the capacity measured with whole answers: give --rate with "
+                                 "--max-tokens")
             args.rate = round(args.load * capacity(str(args.config), prefixed, args.requests), 3)
             tags |= {"load": args.load}
     if args.prefix_cache:
@@ -371,7 +377,9 @@ def cmd_sim(args) -> int:
                     tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
                     mega_share=args.mega_share, stream_below_s=BATCH_SLO_S, replicas=args.replicas,
                     sync_interval_s=sync_s, staleness_s=args.staleness_ms / 1000, progressive=args.progressive,
-                    prefixed=prefixed, prefix_cache=args.prefix_cache)
+                    prefixed=prefixed, prefix_cache=args.prefix_cache, answer_cap=args.answer_cap)
+    if args.answer_cap is not None:
+        tags |= {"max_tokens": args.answer_cap}
     if args.progressive:
         tags |= {"mode": "progressive"}
     if args.replicas > 1:

@@ -66,6 +66,8 @@ END_TO_END_WEIGHT = 1.0  # [policies.routebalance] prefill_weight of the cell th
 END_TO_END = f"prefill_weight={END_TO_END_WEIGHT:g}"
 HALF_SHARE_WEIGHT = 0.5  # prefill_running_weight of the cell that counts the running batch's share at half
 HALF_SHARE = f"prefill_running_weight={HALF_SHARE_WEIGHT:g}"
+WIDE_TIES_TOLERANCE = 3.0  # tie_tolerance of the cell whose tier-mates tie within three times the heads' error
+WIDE_TIES = f"tie_tolerance={WIDE_TIES_TOLERANCE:g}"
 
 
 def sources(n: int) -> list[tuple[PrefixSource, int]]:
@@ -97,6 +99,10 @@ def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
             # and the pool's total, which trades time to first token against cost.
             out.append(Cell(RB, HALF_SHARE, spec, config_changes=(
                 ("routebalance", {"prefill_running_weight": HALF_SHARE_WEIGHT}),), tags=tags))
+            # A tier's instances tie within three times the heads' error: more of a prompt's turns stay where
+            # it is cached, where the heads tell idle and lightly loaded instances apart.
+            out.append(Cell(RB, WIDE_TIES, spec, config_changes=(
+                ("routebalance", {"tie_tolerance": WIDE_TIES_TOLERANCE}),), tags=tags))
             for policy in BASELINES:
                 spec = CellSpec(policy, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
                 out.append(Cell(policy, policy, spec, tags=tags))
@@ -116,7 +122,7 @@ def pairs(cells_: list[Cell]) -> list:
         others += [(p, {"system": p, **where}) for p in BASELINES]
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]
-        for variant in (END_TO_END, HALF_SHARE):
+        for variant in (END_TO_END, HALF_SHARE, WIDE_TIES):
             cell = {"system": RB, "label": variant, **where}
             out += [Pair(f"{prompts} at {load:g}: {variant} vs {name}", cell, side, PAIRED_FIGURES,
                          relative=True, at=where) for name, side in [("routebalance", ours), *others]

@@ -91,7 +91,10 @@ class CellSpec:
     # paper's multi-model W_A, on instances that share GPUs by `gpu_id`).
     models: tuple[tuple[str, float], ...] = ()
     host_slots: int = 2  # models a shared GPU's host memory keeps warm (QLM's warm start)
-    max_tokens: int = DEFAULT_MAX_TOKENS  # what every simulated client asks for
+    max_tokens: int = DEFAULT_MAX_TOKENS  # what every simulated client asks for (held-out prompts)
+    # Every request asks for at most this many answer tokens, whatever its prompts (a live load test's cap,
+    # replayed); None: the held-out prompts' max_tokens, a prefix-sharing row's own answer.
+    answer_cap: int | None = None
     # End-to-end SLO mix: (seconds, share of requests) pairs, drawn per request from the seed; the
     # remaining share carries no SLO (the QLM paper's classes: interactive ~20-30 s, batch minutes).
     slos: tuple[tuple[float, float], ...] = ()
@@ -117,6 +120,8 @@ class CellSpec:
 
     def __post_init__(self):
         check_slo_mix(self.slos)
+        if self.answer_cap is not None and self.answer_cap < 1:
+            raise ValueError(f"answer_cap must be at least 1, got {self.answer_cap}")
         if self.prefix_cache not in (None, "approximate", "events", "off"):
             raise ValueError(f"unknown prefix_cache {self.prefix_cache!r} (known: approximate, events, off)")
         if self.prefixed is not None and (self.progressive or self.mega_share or self.models):
@@ -519,7 +524,8 @@ class Simulation:
             label = int(self.label_length[rid, i])
             out.instance, out.dispatched = i, t
             out.quality = float(self.judged[rid, i])
-            out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, self.spec.max_tokens)
+            asked = self.tickets[rid].request.max_tokens or label
+            out.budget_cut = out.budget_usd is not None and plan.max_tokens < min(label, asked)
             held_on = self.parked.pop(rid, None)
             if held_on == i:  # its KV cache waits in i's host memory: it resumes
                 seq = engines[i].swap_in(rid, t)
@@ -691,16 +697,19 @@ def _prompts(cfg, evalset: EvalSet, spec: CellSpec) -> tuple[EvalSet, np.ndarray
     block = cfg.scheduler.prefix_block_tokens
     if any(engine_for(cfg, inst).block_size != block for inst in cfg.instances):
         raise ValueError(f"[scheduler] prefix_block_tokens ({block}) must be the engines' block size to simulate")
+    cap = spec.answer_cap if spec.answer_cap is not None else np.iinfo(np.int64).max
     if spec.prefixed is None:
         ev = evalset.take(spec.requests)
-        return ev, None, np.full(len(ev), spec.max_tokens), _prompt_blocks(ev.prompts, block), (None,) * len(ev)
+        return (ev, None, np.full(len(ev), min(spec.max_tokens, cap)), _prompt_blocks(ev.prompts, block),
+                (None,) * len(ev))
     window = min(inst.max_model_len for inst in cfg.instances)
     rows = prefixed_rows(spec.prefixed, spec.requests, spec.arrivals.rate, spec.seed, block, window)
     ev = evalset.rows(rows.borrowed % len(evalset))
     own = rows.output_tokens >= 0  # the trace's own answer length, on every model
-    lengths = np.where(own[:, None], np.minimum(rows.output_tokens, rows.max_tokens)[:, None], ev.label_length)
+    max_tokens = np.minimum(rows.max_tokens, cap)
+    lengths = np.where(own[:, None], np.minimum(rows.output_tokens, max_tokens)[:, None], ev.label_length)
     ev = dataclasses.replace(ev, prompt_tokens=rows.prompt_tokens, label_length=lengths)
-    return ev, rows.times, rows.max_tokens, rows.prefix, rows.session
+    return ev, rows.times, max_tokens, rows.prefix, rows.session
 
 
 @functools.lru_cache(maxsize=4)  # the held-out prompts are the same in every cell of a sweep

@@ -65,7 +65,10 @@ class RouteBalanceOptions(Section):
     time, so the score prices the pool's total; 0: the request's own latency
     alone). On a trace with long histories the share moves cold prompts off
     busy cheap tiers: less time to first token for more cost
-    (docs/results/prefix.md says how much at 0.5 and 1).
+    (docs/results/prefix.md says how much at 0.5 and 1); tie_tolerance: how
+    many times w_lat x the TPOT head's held-out error a tier-mate's score may
+    be below the best's and still win by holding more of the prompt
+    (`warmest_within_error`; 0: the score alone decides).
     """
 
     quality_term: QualityTerm = "raw"
@@ -76,6 +79,7 @@ class RouteBalanceOptions(Section):
     prefill_term: PrefillTerm = "cached"
     prefill_weight: float = option(4.0, ge=1)
     prefill_running_weight: float = option(1.0, ge=0)
+    tie_tolerance: float = option(1.0, ge=0)
     seed: int = 0
 
     @property
@@ -232,7 +236,7 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
         ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
     if cached is not None and options.prefill_term == "cached":  # the cold ablation looks at no cache
         ranking = warmest_within_error(ranking, scores, cached, [view.tiers[c] for c in cands],
-                                       weights[1] * latency.error[cands])
+                                       options.tie_tolerance * weights[1] * latency.error[cands])
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
                     latency_s=float(t[best]), tokens=float(length[best]),
