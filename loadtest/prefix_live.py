@@ -17,6 +17,8 @@ from one target to the next), in alternating rounds (A B C D, A B C D, ...):
   rb-approximate  `routebalance serve`, [scheduler] policy "routebalance", prefix_cache "approximate" (what it
                   sent where: Eq. 1's latency adds the prefill of what an instance does not hold, the request's own
                   counted four times, the default prefill_weight: its first token weighed beside its end-to-end time);
+  rb-ties         rb-approximate with [policies.routebalance] tie_tolerance = 3 (a tier-mate holding more of the
+                  prompt wins within three times the TPOT heads' error of the best score, not once);
   rb-e2e          rb-approximate with [policies.routebalance] prefill_weight = 1 (a request's own prefill counted
                   once: its end-to-end time alone, as Eq. 1 prices latency);
   rb-prior        rb-approximate with [policies.routebalance] latency_term = "prior" (each tier's TPOT prior in
@@ -96,10 +98,11 @@ ENGINE_BLOCK = 16  # the emulated engines' KV-cache block (vLLM's default), whic
 # block that any instance which has served anything holds. More cached tokens than that is real reuse.
 TEMPLATE_BLOCK = ENGINE_BLOCK
 TEMPLATE_ROOM = 64  # tokens of Qwen2.5's chat template around one user message (29 with the default system turn)
-TARGETS = ("rb-approximate", "rb-e2e", "rb-prior", "rb-events", "rb-off", "vr-cache_aware", "vr-kv_aware",
-           "vr-round_robin")
+TARGETS = ("rb-approximate", "rb-ties", "rb-e2e", "rb-prior", "rb-events", "rb-off", "vr-cache_aware",
+           "vr-kv_aware", "vr-round_robin")
 # The gateway's targets: [scheduler] prefix_cache and [policies.routebalance]'s options.
-GATEWAY_TARGETS = {"rb-approximate": ("approximate", {}), "rb-e2e": ("approximate", {"prefill_weight": 1.0}),
+GATEWAY_TARGETS = {"rb-approximate": ("approximate", {}), "rb-ties": ("approximate", {"tie_tolerance": 3.0}),
+                   "rb-e2e": ("approximate", {"prefill_weight": 1.0}),
                    "rb-prior": ("approximate", {"latency_term": "prior"}),
                    "rb-events": ("events", {}), "rb-off": ("off", {})}
 INSTANCE_FIELDS = ("model", "gpu", "gpu_count", "tensor_parallel", "gpu_memory_gb", "gpu_memory_utilization",
