@@ -492,6 +492,39 @@ def test_a_slower_measured_prefill_keeps_a_turn_where_its_history_is():
     assert _pick_beside_a_busy_warm_instance(2e-3) == 1
 
 
+def test_the_prefill_term_adds_the_prompts_pending_ahead_for_the_request_alone():
+    """The request waits (own_weight times) for the prompt tokens pending on a candidate and for its own prompt
+    less what the candidate holds; each running request waits (running_weight times) for the request's own
+    prompt only: what is pending there holds the batch wherever this request goes."""
+    from gateway.core.scoring import prefill_latency
+
+    t = prefill_latency(np.full(3, 1e-3), 1000, cached_tokens=np.array([0.0, 800.0, 0.0]),
+                        running=np.array([0.0, 2.0, 1.0]), pending_prefill=np.array([0.0, 0.0, 500.0]),
+                        own_weight=4.0, running_weight=0.5)
+    assert t == pytest.approx([4 * 1.0, 4 * 0.2 + 0.5 * 2 * 0.2, 4 * 1.5 + 0.5 * 1 * 1.0])
+
+
+def test_a_prompt_goes_where_no_long_prompt_is_pending_ahead_of_it():
+    """Two cold instances: one with a request whose 3,000-token prompt is still to prefill, one with two
+    requests decoding. A head that prices both alike leaves the prefill term to tell them apart: the second
+    holds two running requests through the new prompt's 100 tokens (0.1 s each) where the first holds one, but
+    the first makes the prompt wait 3 s for the one pending there (counted 4 times)."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    def pick(pending: float) -> int:
+        view = view_of(pool(2), in_flight=[1, 2])
+        view = dataclasses.replace(view, prefill_s=np.full(2, 1e-3), pending_prefill=np.array([pending, 0.0]))
+        (d,) = assign_batch([request(tokens(9000, 100), n=2)], Estimates(np.full((1, 2), 0.5),
+                            np.full((1, 2), 100.0)), view, RouteBalanceOptions(),
+                            lambda tier, rows: np.full(len(rows), 0.01), np.random.default_rng(0))
+        return d.ranked[0]
+
+    assert pick(0.0) == 0 and pick(3000.0) == 1
+
+
 # ---- pending prefill: what an instance must compute, not the whole prompt ------------------------------------
 
 

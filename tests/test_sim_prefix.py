@@ -74,12 +74,13 @@ def test_the_cache_term_finds_the_prefixes_and_events_predict_them_exactly(small
     off_sim, off, off_row = _cell(small_sim, "off")
     approx_sim, approx, approx_row = _cell(small_sim, "approximate")
     events_sim, events, events_row = _cell(small_sim, "events")
-    # The engines cache either way; the gateway's knowledge sends turns where their history is: nearly all of what
-    # one cache serving everything would hit (the first 300 rows' ceiling is about 9%), where routing blind to
-    # the caches finds about 60% of it.
+    # The engines cache either way; the gateway's knowledge sends turns where their history is: most of what one
+    # cache serving everything would hit (the first 300 rows' ceiling is about 9%; the issue asks for 75% of it),
+    # where routing blind to the caches finds about 60% of it. (Not all: a turn whose instance has a long prompt
+    # pending ahead of it may start sooner elsewhere, the prefill term's queue.)
     ceiling = prefixed_rows(TRACE, 300, 3.0, 1, 16, 8192).ceiling
     assert 0.02 < off_row["prefix_hit_rate"] < 0.8 * ceiling
-    assert approx_row["prefix_hit_rate"] > 0.85 * ceiling
+    assert approx_row["prefix_hit_rate"] > 0.75 * ceiling
     assert approx_row["ttft_mean"] < off_row["ttft_mean"]
     # Predicted against reported cached tokens: the events' index is exact, the approximate one close. (Exact
     # but for races: a request sent right behind one with its prefix counts on blocks still being prefilled.)

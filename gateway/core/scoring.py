@@ -72,14 +72,18 @@ def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.
 
 
 def prefill_latency(prefill_s_per_token: np.ndarray, input_tokens: int, cached_tokens: np.ndarray,
-                    running: np.ndarray, own_weight: float = 1.0, running_weight: float = 1.0) -> np.ndarray:
-    """Seconds of prefill each candidate would add: the prompt minus the prefix it holds cached, at its prefill
-    rate, waited through by the request (`own_weight` times: once as part of its end-to-end time, more to favour
-    its first token) and by each of the `running` requests whose decode steps it holds (vLLM runs a prefill chunk
-    in the same step as the batch's decodes), each counted `running_weight` times. Measured in the simulator,
-    pricing the request's own prefill alone left a warm instance losing to a slightly less loaded cold one: the
-    misses' prefill then slowed everyone there (docs/results/prefix.md)."""
-    return prefill_s_per_token * np.maximum(input_tokens - cached_tokens, 0.0) * (own_weight + running_weight * running)
+                    running: np.ndarray, pending_prefill: np.ndarray, own_weight: float = 1.0,
+                    running_weight: float = 1.0) -> np.ndarray:
+    """Seconds of prefill each candidate would add, at its prefill rate. The request waits, before its first
+    token, for the prompt tokens already pending there (vLLM schedules prefills first come, first served) and
+    for its own prompt less the prefix the candidate holds cached; it waits `own_weight` times (once as part of
+    its end-to-end time, more to favour its first token). Each of the `running` requests, whose decode steps
+    its prefill's chunks share, waits for its own prompt, `running_weight` times. Measured in the simulator,
+    pricing the request's own prefill alone left a warm instance losing to a slightly less loaded cold one
+    (the misses' prefill then slowed everyone there), and leaving out the prefill pending ahead sent prompts
+    into the queues of long ones (docs/results/prefix.md)."""
+    own = np.maximum(input_tokens - cached_tokens, 0.0)
+    return prefill_s_per_token * (own_weight * (pending_prefill + own) + running_weight * running * own)
 
 
 def min_max(x: np.ndarray) -> np.ndarray:

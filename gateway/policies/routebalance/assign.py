@@ -12,7 +12,8 @@ instance holds in its prefix cache ([scheduler] prefix_cache, core/prefix.py)
 the latency gains the seconds to prefill what a candidate would compute
 (`scoring.prefill_latency`): the prompt minus the prefix it holds, at its
 tier's prefill rate, counted for the request and for each request running
-there (a prefill step holds the whole decode batch). So a warm instance wins
+there (a prefill step holds the whole decode batch), and the prompts pending
+there ahead of it, which it waits for. So a warm instance wins
 by what it saves, and only while its queue does not cost more than that:
 load stays priced, a warm instance is preferred, not flooded. Between
 instances of one tier whose scores differ by less than the TPOT head can
@@ -207,7 +208,7 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     if cached is not None:
         priced = cached if options.prefill_term == "cached" else np.zeros_like(cached)
         t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.running[cands],
-                                options.prefill_weight, options.prefill_running_weight)
+                                view.pending_prefill[cands], options.prefill_weight, options.prefill_running_weight)
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
