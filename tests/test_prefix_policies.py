@@ -484,6 +484,27 @@ def test_the_running_batchs_share_of_a_miss_weighs_by_its_weight():
         RouteBalanceOptions(prefill_running_weight=-0.1)
 
 
+def test_the_running_batchs_share_places_within_the_model_the_request_chose():
+    """The hold a miss's prefill has on the requests running beside it ranks a model's instances, not the
+    models: two busy instances of the model whose quality the score prefers (10 running each) and an idle one
+    of another, every one cold for a 2,000-token prompt. Its own latency is the same everywhere (1 s of decode
+    and 2 s of prefill counted 4 times), so the preferred model answers; counted across models, the 20 s its
+    prefill would hold each busy instance's batch would have sent it to the other model. The other instance
+    of its model is its first fallback."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    instances = pool(2, "preferred") + pool(1, "other")
+    busy = view_of(instances, in_flight=[10, 10, 0])
+    busy = dataclasses.replace(busy, prefill_s=np.full(3, 1e-3))
+    quality = np.array([[0.5, 0.5, 0.45]])
+    (d,) = assign_batch([request(tokens(0, 2000), n=3)], Estimates(quality, np.full((1, 3), 100.0)), busy,
+                        RouteBalanceOptions(), None, np.random.default_rng(0))
+    assert set(d.ranked[:2]) == {0, 1} and d.ranked[2] == 2
+
+
 def test_a_slower_measured_prefill_keeps_a_turn_where_its_history_is():
     """The prefill rate the view carries (the tier's, refined from what its instances report: core/prefill_rate.py)
     prices a miss: the busy warm instance loses at 1 ms a token (cold: 10 s + 1.64 s x 6; warm: 20 s + 0.04 s x 8)
@@ -494,14 +515,15 @@ def test_a_slower_measured_prefill_keeps_a_turn_where_its_history_is():
 
 def test_the_prefill_term_adds_the_prompts_pending_ahead_for_the_request_alone():
     """The request waits (own_weight times) for the prompt tokens pending on a candidate and for its own prompt
-    less what the candidate holds; each running request waits (running_weight times) for the request's own
-    prompt only: what is pending there holds the batch wherever this request goes."""
-    from gateway.core.scoring import prefill_latency
+    less what the candidate holds; its prefill holds each running request (weight times) for its own prompt
+    only: what is pending there holds the batch wherever this request goes."""
+    from gateway.core.scoring import prefill_hold, prefill_latency
 
-    t = prefill_latency(np.full(3, 1e-3), 1000, cached_tokens=np.array([0.0, 800.0, 0.0]),
-                        running=np.array([0.0, 2.0, 1.0]), pending_prefill=np.array([0.0, 0.0, 500.0]),
-                        own_weight=4.0, running_weight=0.5)
-    assert t == pytest.approx([4 * 1.0, 4 * 0.2 + 0.5 * 2 * 0.2, 4 * 1.5 + 0.5 * 1 * 1.0])
+    rate, cached = np.full(3, 1e-3), np.array([0.0, 800.0, 0.0])
+    t = prefill_latency(rate, 1000, cached, pending_prefill=np.array([0.0, 0.0, 500.0]), own_weight=4.0)
+    assert t == pytest.approx([4 * 1.0, 4 * 0.2, 4 * 1.5])
+    held = prefill_hold(rate, 1000, cached, running=np.array([0.0, 2.0, 1.0]), weight=0.5)
+    assert held == pytest.approx([0.0, 0.5 * 2 * 0.2, 0.5 * 1 * 1.0])
 
 
 def test_a_prompt_goes_where_no_long_prompt_is_pending_ahead_of_it():

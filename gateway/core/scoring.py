@@ -72,18 +72,22 @@ def expected_latency(tpot_s: np.ndarray, length: np.ndarray, pending_decode: np.
 
 
 def prefill_latency(prefill_s_per_token: np.ndarray, input_tokens: int, cached_tokens: np.ndarray,
-                    running: np.ndarray, pending_prefill: np.ndarray, own_weight: float = 1.0,
-                    running_weight: float = 1.0) -> np.ndarray:
-    """Seconds of prefill each candidate would add, at its prefill rate. The request waits, before its first
-    token, for the prompt tokens already pending there (vLLM schedules prefills first come, first served) and
-    for its own prompt less the prefix the candidate holds cached; it waits `own_weight` times (once as part of
-    its end-to-end time, more to favour its first token). Each of the `running` requests, whose decode steps
-    its prefill's chunks share, waits for its own prompt, `running_weight` times. Measured in the simulator,
-    pricing the request's own prefill alone left a warm instance losing to a slightly less loaded cold one
-    (the misses' prefill then slowed everyone there), and leaving out the prefill pending ahead sent prompts
-    into the queues of long ones (docs/results/prefix.md)."""
+                    pending_prefill: np.ndarray, own_weight: float = 1.0) -> np.ndarray:
+    """Seconds each candidate would make the request wait for prefill before its first token, at its prefill
+    rate: the prompt tokens already pending there (vLLM schedules prefills first come, first served), then its
+    own prompt less the prefix the candidate holds cached; `own_weight` times (once as part of its end-to-end
+    time, more to favour its first token). Measured in the simulator, leaving out the prefill pending ahead
+    sent prompts into the queues of long ones (docs/results/prefix.md)."""
     own = np.maximum(input_tokens - cached_tokens, 0.0)
-    return prefill_s_per_token * (own_weight * (pending_prefill + own) + running_weight * running * own)
+    return prefill_s_per_token * own_weight * (pending_prefill + own)
+
+
+def prefill_hold(prefill_s_per_token: np.ndarray, input_tokens: int, cached_tokens: np.ndarray,
+                 running: np.ndarray, weight: float = 1.0) -> np.ndarray:
+    """Seconds the request's prefill would hold the requests running on each candidate, `weight` times: vLLM
+    runs a prefill chunk in the decode batch's step, so each of the `running` requests waits for the prompt
+    less what the candidate holds (what is already pending holds them wherever this request goes)."""
+    return prefill_s_per_token * weight * running * np.maximum(input_tokens - cached_tokens, 0.0)
 
 
 def min_max(x: np.ndarray) -> np.ndarray:

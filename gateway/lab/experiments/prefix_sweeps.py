@@ -64,8 +64,8 @@ BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approx
 COLD = "prefill priced cold"  # RouteBalance's prefill term with every prompt priced as if nothing were cached
 END_TO_END_WEIGHT = 1.0  # [policies.routebalance] prefill_weight of the cell that prices end-to-end time alone
 END_TO_END = f"prefill_weight={END_TO_END_WEIGHT:g}"
-HALF_SHARE_WEIGHT = 0.5  # prefill_running_weight of the cell that counts the running batch's share at half
-HALF_SHARE = f"prefill_running_weight={HALF_SHARE_WEIGHT:g}"
+OWN_ONLY_WEIGHT = 0.0  # prefill_running_weight of the cell whose instances are ranked by the request's own latency
+OWN_ONLY = f"prefill_running_weight={OWN_ONLY_WEIGHT:g}"
 WIDE_TIES_TOLERANCE = 3.0  # tie_tolerance of the cell whose tier-mates tie within three times the heads' error
 WIDE_TIES = f"tie_tolerance={WIDE_TIES_TOLERANCE:g}"
 
@@ -95,10 +95,10 @@ def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
             # default weighs its time to first token too).
             out.append(Cell(RB, END_TO_END, spec, config_changes=(
                 ("routebalance", {"prefill_weight": END_TO_END_WEIGHT}),), tags=tags))
-            # The running batch's share of a miss's prefill at half: a point between the request's own latency
-            # and the pool's total, which trades time to first token against cost.
-            out.append(Cell(RB, HALF_SHARE, spec, config_changes=(
-                ("routebalance", {"prefill_running_weight": HALF_SHARE_WEIGHT}),), tags=tags))
+            # A model's instances ranked by the request's own latency alone, without the hold its prefill has on
+            # the requests running there: what that hold adds to spreading a tier's load.
+            out.append(Cell(RB, OWN_ONLY, spec, config_changes=(
+                ("routebalance", {"prefill_running_weight": OWN_ONLY_WEIGHT}),), tags=tags))
             # A tier's instances tie within three times the heads' error: more of a prompt's turns stay where
             # it is cached, where the heads tell idle and lightly loaded instances apart.
             out.append(Cell(RB, WIDE_TIES, spec, config_changes=(
@@ -122,7 +122,7 @@ def pairs(cells_: list[Cell]) -> list:
         others += [(p, {"system": p, **where}) for p in BASELINES]
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]
-        for variant in (END_TO_END, HALF_SHARE, WIDE_TIES):
+        for variant in (END_TO_END, OWN_ONLY, WIDE_TIES):
             cell = {"system": RB, "label": variant, **where}
             out += [Pair(f"{prompts} at {load:g}: {variant} vs {name}", cell, side, PAIRED_FIGURES,
                          relative=True, at=where) for name, side in [("routebalance", ours), *others]

@@ -11,13 +11,15 @@ The paper's latency is decode only. Where the gateway knows what each
 instance holds in its prefix cache ([scheduler] prefix_cache, core/prefix.py)
 the latency gains the seconds to prefill what a candidate would compute
 (`scoring.prefill_latency`): the prompt minus the prefix it holds, at its
-tier's prefill rate, counted for the request and for each request running
-there (a prefill step holds the whole decode batch), and the prompts pending
-there ahead of it, which it waits for. So a warm instance wins
-by what it saves, and only while its queue does not cost more than that:
-load stays priced, a warm instance is preferred, not flooded. Between
-instances of one tier whose scores differ by less than the TPOT head can
-tell apart, the one holding more of the prompt wins (`warmest_within_error`).
+tier's prefill rate, after the prompts pending there ahead of it. That
+score chooses the model. Among the chosen model's instances the hold of
+that prefill on each request running there counts too
+(`scoring.prefill_hold`: a prefill step holds the whole decode batch). So a
+warm instance wins by what it saves, and only while its queue does not cost
+more than that: load stays priced, a warm instance is preferred, not
+flooded. Between instances of one tier whose scores differ by less than the
+TPOT head can tell apart, the one holding more of the prompt wins
+(`warmest_within_error`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from gateway.config_schema import Section, option, section
 from gateway.core.budget import predicted_cost, within_budget
 from gateway.core.request import Decision, Estimates, Refusal, RouteRequest
-from gateway.core.scoring import QualityTerm, eq1, expected_latency, prefill_latency, quality_term
+from gateway.core.scoring import QualityTerm, eq1, expected_latency, prefill_hold, prefill_latency, quality_term
 from gateway.core.view import PoolView
 
 # Feature rows for a TPOT head: instance state (view.STATE_FEATURES) + prompt and answer tokens.
@@ -62,13 +64,14 @@ class RouteBalanceOptions(Section):
     latency; the default 4 weighs its time to first token too, which a
     streaming client waits through before it sees anything, and so favours
     warm instances); prefill_running_weight: how much the prefill's hold on
-    each request running beside it counts (1: as much as the request's own
-    time, so the score prices the pool's total; 0: the request's own latency
-    alone). On a trace with long histories the share moves cold prompts off
-    busy cheap tiers: less time to first token for more cost
-    (docs/results/prefix.md says how much at 0.5 and 1); tie_tolerance: how
-    many times w_lat x the TPOT head's held-out error a tier-mate's score may
-    be below the best's and still win by holding more of the prompt
+    each request running beside it counts when the instances of the model
+    the request's own score chose are ranked (1: as much as the request's
+    own time, the pool's total there; 0: the request's own latency alone);
+    it spreads a model's load off busy warm instances and never changes the
+    model, where across models it bought time to first token with cost
+    (docs/results/prefix.md); tie_tolerance: how many times w_lat x the
+    TPOT head's held-out error a tier-mate's score may be below the best's
+    and still win by holding more of the prompt
     (`warmest_within_error`; 0: the score alone decides).
     """
 
@@ -205,10 +208,13 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
                              view.running[cands], view.waiting[cands], view.kv_usage[cands],
                              view.max_num_seqs[cands])
     cached = view.cached_tokens(req.prefix, req.input_tokens)[cands] if view.knows_prefixes else None
+    hold = np.zeros(len(cands))
     if cached is not None:
         priced = cached if options.prefill_term == "cached" else np.zeros_like(cached)
-        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.running[cands],
-                                view.pending_prefill[cands], options.prefill_weight, options.prefill_running_weight)
+        t = t + prefill_latency(view.prefill_s[cands], req.input_tokens, priced, view.pending_prefill[cands],
+                                options.prefill_weight)
+        hold = prefill_hold(view.prefill_s[cands], req.input_tokens, priced, view.running[cands],
+                            options.prefill_running_weight)
     quality = est.quality[r, cands]
     if req.budget_usd is not None:
         keep = budget_filter(req.budget_usd, req.input_tokens, cost, view.price_in[cands], view.price_out[cands],
@@ -217,31 +223,48 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
             return Decision((), refused=refusal(req.budget_usd, req.input_tokens, cost, view.price_in[cands],
                                                 view.price_out[cands], options.budget_filter, req.n))
         cands, length, cost, t, quality = cands[keep], length[keep], cost[keep], t[keep], quality[keep]
-        cached = cached[keep] if cached is not None else None
+        hold, cached = hold[keep], cached[keep] if cached is not None else None
     weights = req.weights
     if options.latency_term == "off":
         weights = (weights[0], 0.0, weights[2])
-    scores = eq1(weights, quality_term(quality, options.quality_term), cost, t)
-    # Best score first; among equal scores the tie-break: the shorter queue
-    # (dead-reckoned requests on the instance), or the lower predicted latency
-    # and then the shorter queue (a tree's predictions are piecewise constant,
-    # so instances of a tier often tie on them; without the queue behind them
-    # such ties would all go to the lowest index). What is still equal after
-    # that (an idle pool, identical instances) is drawn at random.
+    q_term = quality_term(quality, options.quality_term)
+    tiers = [view.tiers[c] for c in cands]
     queue = view.active[cands]
-    rounded = np.round(scores / TIE) * TIE
     draw = rng.random(len(cands))
-    if options.tiebreak == "shortest_queue":
-        ranking = np.lexsort((draw, queue, -rounded))
-    else:
-        ranking = np.lexsort((draw, queue, np.round(t / TIE) * TIE, -rounded))
+    # The model is the request's own trade: Eq. 1 over its quality, cost and
+    # latency. Which of that model's instances serves it also weighs what its
+    # prefill holds the requests running there (`hold`): spread within a tier,
+    # that keeps a warm instance from being flooded, where across tiers it
+    # would buy time to first token with cost (docs/results/prefix.md).
+    scores, t_key, mine = eq1(weights, q_term, cost, t), t, None
+    if hold.any():
+        best_tier = tiers[_ranked(scores, t, queue, draw, options.tiebreak)[0]]
+        mine = np.array([tier == best_tier for tier in tiers])
+        scores = np.where(mine, eq1(weights, q_term, cost, t + hold), scores)
+        t_key = np.where(mine, t + hold, t)
+    ranking = _ranked(scores, t_key, queue, draw, options.tiebreak, first=mine)
     if cached is not None and options.prefill_term == "cached":  # the cold ablation looks at no cache
-        ranking = warmest_within_error(ranking, scores, cached, [view.tiers[c] for c in cands],
+        ranking = warmest_within_error(ranking, scores, cached, tiers,
                                        options.tie_tolerance * weights[1] * latency.error[cands])
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
                     latency_s=float(t[best]), tokens=float(length[best]),
                     cached_tokens=float(cached[best]) if cached is not None else None)
+
+
+def _ranked(scores: np.ndarray, t: np.ndarray, queue: np.ndarray, draw: np.ndarray, tiebreak: TieBreak,
+            first: np.ndarray | None = None) -> np.ndarray:
+    """Candidates best score first (those in `first` ahead of the rest); among equal scores the tie-break: the
+    shorter queue (dead-reckoned requests on the instance), or the lower predicted latency `t` and then the
+    shorter queue (a tree's predictions are piecewise constant, so instances of a tier often tie on them;
+    without the queue behind them such ties would all go to the lowest index). What is still equal after that
+    (an idle pool, identical instances) goes by `draw`, a random number per candidate."""
+    rounded = np.round(scores / TIE) * TIE
+    keys = [draw, queue] if tiebreak == "shortest_queue" else [draw, queue, np.round(t / TIE) * TIE]
+    keys.append(-rounded)
+    if first is not None:
+        keys.append(~first)
+    return np.lexsort(tuple(keys))
 
 
 def budget_filter(budget: float, input_tokens: int, cost: np.ndarray, price_in: np.ndarray, price_out: np.ndarray,
