@@ -78,8 +78,7 @@ def prefill_latency(prefill_s_per_token: np.ndarray, input_tokens: int, cached_t
     own prompt less the prefix the candidate holds cached; `own_weight` times (once as part of its end-to-end
     time, more to favour its first token). Measured in the simulator, leaving out the prefill pending ahead
     sent prompts into the queues of long ones (docs/results/prefix.md)."""
-    own = np.maximum(input_tokens - cached_tokens, 0.0)
-    return prefill_s_per_token * own_weight * (pending_prefill + own)
+    return prefill_s_per_token * own_weight * (pending_prefill + missed_tokens(input_tokens, cached_tokens))
 
 
 def prefill_hold(prefill_s_per_token: np.ndarray, input_tokens: int, cached_tokens: np.ndarray,
@@ -87,7 +86,12 @@ def prefill_hold(prefill_s_per_token: np.ndarray, input_tokens: int, cached_toke
     """Seconds the request's prefill would hold the requests running on each candidate, `weight` times: vLLM
     runs a prefill chunk in the decode batch's step, so each of the `running` requests waits for the prompt
     less what the candidate holds (what is already pending holds them wherever this request goes)."""
-    return prefill_s_per_token * weight * running * np.maximum(input_tokens - cached_tokens, 0.0)
+    return prefill_s_per_token * weight * running * missed_tokens(input_tokens, cached_tokens)
+
+
+def missed_tokens(input_tokens: int, cached_tokens: np.ndarray) -> np.ndarray:
+    """The prompt tokens each candidate would have to prefill: the prompt less the prefix it holds cached."""
+    return np.maximum(input_tokens - cached_tokens, 0.0)
 
 
 def min_max(x: np.ndarray) -> np.ndarray:

@@ -240,8 +240,9 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     if hold.any():
         best_tier = tiers[_ranked(scores, t, queue, draw, options.tiebreak)[0]]
         mine = np.array([tier == best_tier for tier in tiers])
-        scores = np.where(mine, eq1(weights, q_term, cost, t + hold), scores)
-        t_key = np.where(mine, t + hold, t)
+        pooled = t + hold
+        scores = np.where(mine, eq1(weights, q_term, cost, pooled), scores)
+        t_key = np.where(mine, pooled, t)
     ranking = _ranked(scores, t_key, queue, draw, options.tiebreak, first=mine)
     if cached is not None and options.prefill_term == "cached":  # the cold ablation looks at no cache
         ranking = warmest_within_error(ranking, scores, cached, tiers,
