@@ -3,6 +3,7 @@ session affinity, on views built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections import Counter
 
@@ -623,3 +624,57 @@ def test_a_held_rounds_working_copy_counts_a_booked_prompt_whole_not_as_its_own_
     policy = Watch()
     loop.settle(tickets, [(Decision((0,), tokens=16.0), policy) for _ in tickets], 0.0)
     assert seen == [0.0, 1640.0]  # the second sees the first's whole prompt still to compute
+
+
+# ---- a baseline within the model RouteBalance names (policies/prefix/within_model.py) --------------------------
+
+
+WITHIN = tuple(f"routebalance+{name}" for name in NAMES)
+
+
+def _two_models_one_warm_in_each():
+    """Two instances of a model the estimates prefer ("good": quality 0.9) and two of another ("cheap": 0.1);
+    good1 holds a prompt's first 800 tokens, cheap0 all 1,600 of its history."""
+    from gateway.core.request import Estimates
+
+    cheap = tuple(dataclasses.replace(inst, url=f"http://127.0.0.1:{9011 + k}")
+                  for k, inst in enumerate(pool(2, "cheap")))
+    view = view_of(pool(2, "good") + cheap)
+    history = tokens(0, 1600)
+    hold(view, 1, history[:800])
+    hold(view, 2, history)
+    est = Estimates(np.array([[0.9, 0.9, 0.1, 0.1]]), np.full((1, 4), 100.0))
+    return view, request(history + tokens(9000, 40)), est
+
+
+@pytest.mark.parametrize("name", WITHIN)
+def test_the_model_is_routebalances_and_the_instance_the_baselines(name):
+    view, req, est = _two_models_one_warm_in_each()
+    (alone,) = registry.build("cache_aware", load_config(default_config_path())).assign([req], None,
+                                                                                          view.probe())
+    assert alone.ranked[0] == 2  # on its own, cache_aware follows the longest match to the other model
+    policy = registry.build(name, Config(instances=view.instances))
+    assert registry.entry(name).needs_estimates and policy.name == name
+    (d,) = policy.assign([req], est, view)
+    assert d.ranked[0] in (0, 1) and set(d.ranked[2:]) == {2, 3}  # the named model's instances, then the rest
+    if name != "session_affinity":  # both cache-aware placers find the half held within the model
+        assert d.ranked[0] == 1 and d.cached_tokens == 800
+    assert d.quality == 0.9 and d.tokens == 100.0
+    # RouteBalance decided on a probe: the view counts the request once, where the baseline placed it.
+    assert view.in_flight.tolist() == [float(i == d.ranked[0]) for i in range(4)]
+
+
+def test_a_request_routebalance_refuses_stays_refused():
+    view, req, est = _two_models_one_warm_in_each()
+    poor = dataclasses.replace(req, budget_usd=1e-12)
+    (d,) = registry.build("routebalance+cache_aware", Config(instances=view.instances)).assign([poor], est, view)
+    assert d.ranked == () and d.refused is not None and d.refused.status == 402
+    assert view.in_flight.sum() == 0
+
+
+def test_a_probe_takes_dead_reckoning_the_view_does_not_see():
+    view = view_of(pool(2))
+    probe = view.probe()
+    probe.dispatched(0, 50.0, 100, block_hashes(tokens(0, 64), BLOCK))
+    assert probe.in_flight[0] == 1 and probe.pending_decode[0] == 50 and probe.sent
+    assert view.in_flight[0] == 0 and view.pending_decode[0] == 0 and view.pending_prefill[0] == 0 and not view.sent

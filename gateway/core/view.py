@@ -9,7 +9,7 @@ features (estimators/latency.py), in STATE_FEATURES order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -97,6 +97,14 @@ class PoolView:
         for other in self.sent.get(i, ()):
             n = max(n, _common(other, hashes))
         return n
+
+    def probe(self) -> PoolView:
+        """A copy to try decisions on: its dead reckoning does not reach this view (the index is shared, read
+        only)."""
+        return replace(self, running=self.running.copy(), waiting=self.waiting.copy(),
+                       in_flight=self.in_flight.copy(), pending_prefill=self.pending_prefill.copy(),
+                       pending_decode=self.pending_decode.copy(),
+                       sent={i: list(sent) for i, sent in self.sent.items()})
 
     def usable(self, candidates: Sequence[int]) -> list[int]:
         """Candidates that are available, or all of them if none is (better to try than to refuse)."""

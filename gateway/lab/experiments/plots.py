@@ -515,13 +515,14 @@ def labelled(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def prefix(rows: list[dict], out_dir: Path) -> list[Path]:
     """Per prompt source (a row of panels): mean TTFT, p99 TTFT and prefix hit rate against load, one banded line
-    per cell label (RouteBalance's prefix modes and the baselines)."""
+    per cell label (RouteBalance's prefix modes and the baselines, alone and within RouteBalance's model)."""
     sources = _by(rows, "prompts")
     fig, axes = _pyplot().subplots(len(sources), 3, figsize=(15, 4.4 * len(sources)), squeeze=False)
+    palette = _pyplot().get_cmap("tab20")  # more cells than the ten default colours
     for row, (source, rs) in zip(axes, sources.items(), strict=True):
         for k, (label, cells) in enumerate(_by(rs, "label").items()):
             for ax, figure in zip(row, ("ttft_mean", "ttft_p99", "prefix_hit_rate"), strict=True):
-                _band(ax, cells, "load", figure, f"C{k % 10}", label=label)
+                _band(ax, cells, "load", figure, palette(k % 20), label=label)
         row[0].set(xlabel="share of the pool's capacity", ylabel="mean TTFT (s)", title=f"{source}: mean TTFT")
         row[1].set(xlabel="share of the pool's capacity", ylabel="p99 TTFT (s)", title=f"{source}: p99 TTFT")
         row[2].set(xlabel="share of the pool's capacity", ylabel="share of prompt tokens from cache",

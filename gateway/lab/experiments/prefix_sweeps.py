@@ -61,6 +61,9 @@ PAIRED_FIGURES = ("ttft_mean", "ttft_p50", "ttft_p99", "e2e_p99", "quality", "co
 RB = "routebalance"
 RB_MODES = ("approximate", "events", "off")  # what the gateway knows of the engines' caches
 BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approximate index
+# Each baseline among the instances of the model RouteBalance names: the same model choice, so the same quality
+# and cost as RouteBalance's, and only the placement among one model's instances differs.
+WITHIN = tuple(f"{RB}+{p}" for p in BASELINES)
 COLD = "prefill priced cold"  # RouteBalance's prefill term with every prompt priced as if nothing were cached
 END_TO_END_WEIGHT = 1.0  # [policies.routebalance] prefill_weight of the cell that prices end-to-end time alone
 END_TO_END = f"prefill_weight={END_TO_END_WEIGHT:g}"
@@ -103,7 +106,7 @@ def cells(n: int, capacities: dict[str, float], loads=LOADS) -> list[Cell]:
             # it is cached, where the heads tell idle and lightly loaded instances apart.
             out.append(Cell(RB, WIDE_TIES, spec, config_changes=(
                 ("routebalance", {"tie_tolerance": WIDE_TIES_TOLERANCE}),), tags=tags))
-            for policy in BASELINES:
+            for policy in (*BASELINES, *WITHIN):
                 spec = CellSpec(policy, requests=requests, arrivals=arr, prefixed=source, prefix_cache="approximate")
                 out.append(Cell(policy, policy, spec, tags=tags))
     return out
@@ -119,14 +122,14 @@ def pairs(cells_: list[Cell]) -> list:
         others = [("cache term off", {"system": RB, "label": "prefix_cache=off", **where}),
                   ("events", {"system": RB, "label": "prefix_cache=events", **where}),
                   ("the prefill priced cold", {"system": RB, "label": COLD, **where})]
-        others += [(p, {"system": p, **where}) for p in BASELINES]
+        others += [(p, {"system": p, **where}) for p in (*BASELINES, *WITHIN)]
         out += [Pair(f"{prompts} at {load:g}: routebalance vs {name}", ours, side, PAIRED_FIGURES, relative=True,
                      at=where) for name, side in others]
         for variant in (END_TO_END, OWN_ONLY, WIDE_TIES):
             cell = {"system": RB, "label": variant, **where}
             out += [Pair(f"{prompts} at {load:g}: {variant} vs {name}", cell, side, PAIRED_FIGURES,
                          relative=True, at=where) for name, side in [("routebalance", ours), *others]
-                    if name not in ("events", "the prefill priced cold")]
+                    if name not in ("events", "the prefill priced cold", *WITHIN)]
     return out
 
 
