@@ -4,6 +4,7 @@ of the same emulated instances of one model.
     python loadtest/prefix_live.py                                   # 2 rounds, 400 rows a workload, 2 req/s
     python loadtest/prefix_live.py --rounds 2 --rows 300 --rate 2 --workload both
     python loadtest/prefix_live.py --workload trace --no-round-robin --instances 4
+    python loadtest/prefix_live.py --pool default --targets rb-approximate,rb-off --rate 3   # the 13-instance pool
 
 The pool: --instances (4) emulated instances of --model on --gpu (Qwen/Qwen2.5-3B-Instruct on A30-24GB), their
 fields copied from that model's first instance in gateway/config/default.toml, on free loopback ports, served by
@@ -36,6 +37,12 @@ from one target to the next), in alternating rounds (A B C D, A B C D, ...):
 vllm-router's own decision counters (by outcome) are read from its Prometheus port after each run.
 
 Clients name the pool model (not "auto"), so the gateway balances within that model's instances only.
+
+--pool default runs the default config's whole heterogeneous pool instead (its 13 instances, their own names and
+fields, on free loopback ports), through the gateway alone (vllm-router places requests among one model's
+workers; the gateway's targets only): clients send "auto", so RouteBalance chooses the model as well, and each
+run also reports the requests each model served and the cost of the answers (their usage at the instance's
+prices).
 
 Every instance publishes vLLM's KV-cache events (`kv_events`, on a free loopback port; the map encoding vLLM sends
 since vllm-project/vllm#42892) in every run, whichever target reads them, so all targets face the same emulator.
@@ -117,6 +124,7 @@ class Sent:
     e2e_s: float = math.nan
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     instance: str = ""  # X-Route-Instance (the gateway only)
 
 
@@ -144,6 +152,8 @@ class Run:
     router: dict = field(default_factory=dict)
     load: list = field(default_factory=list)  # the machine's 1- and 5-minute load averages at the run's end (2 cores)
     error_kinds: dict = field(default_factory=dict)
+    models: dict = field(default_factory=dict)  # model -> requests its instances served (from the emulator's counters)
+    cost_per_1k_usd: float = math.nan  # the answers' usage at their instance's prices, per 1,000 answered requests
 
 
 # --- the pool and the targets' configs ------------------------------------------------------------------------------
@@ -165,12 +175,23 @@ def toml_lines(table: dict) -> str:
     return "".join(f"{key} = {toml_value(v)}\n" for key, v in table.items())
 
 
-def pool_toml(fields: dict, ports: list[int], event_ports: list[int]) -> str:
+def one_model_pool(fields: dict, n: int) -> list[tuple[str, dict]]:
+    """n instances of one model: (name, fields) each."""
     tag = fields["model"].split("/")[-1].lower().replace(".", "")
-    return "".join(f'\n[[instances]]\nname = "{tag}-{k}"\nurl = "http://127.0.0.1:{port}"\n'
+    return [(f"{tag}-{k}", fields) for k in range(n)]
+
+
+def default_pool() -> list[tuple[str, dict]]:
+    """The default config's whole pool: (name, fields) of each of its instances."""
+    return [(inst["name"], {k: inst[k] for k in INSTANCE_FIELDS if k in inst})
+            for inst in tomllib.loads(DEFAULT_CONFIG.read_text())["instances"]]
+
+
+def pool_toml(entries: list[tuple[str, dict]], ports: list[int], event_ports: list[int]) -> str:
+    return "".join(f'\n[[instances]]\nname = "{name}"\nurl = "http://127.0.0.1:{port}"\n'
                    f'kv_events = "{events_endpoint(events)}"\n'
                    + toml_lines(fields)
-                   for k, (port, events) in enumerate(zip(ports, event_ports, strict=True)))
+                   for (name, fields), port, events in zip(entries, ports, event_ports, strict=True))
 
 
 def events_endpoint(port: int) -> str:
@@ -298,6 +319,7 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes, start: floa
                 usage = event.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens")
+                    out.completion_tokens = usage.get("completion_tokens")
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens")
                 if event.get("error"):
@@ -361,11 +383,14 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], times: np.ndarray, args,
-             fields: dict, router: Path, logs: Path, procs: list[subprocess.Popen]) -> Run:
-    ports = free_ports(2 * args.instances + 2)
+             entries: list[tuple[str, dict]], model: str, router: Path, logs: Path,
+             procs: list[subprocess.Popen]) -> Run:
+    """One target on a fresh pool of `entries`, clients naming `model` (a pool model, or "auto")."""
+    n = len(entries)
+    ports = free_ports(2 * n + 2)
     front, metrics_port = ports[0], ports[1]  # vllm-router's own Prometheus port (29000 unless told)
-    backends, event_ports = ports[2:args.instances + 2], ports[args.instances + 2:]
-    pool = pool_toml(fields, backends, event_ports)
+    backends, event_ports = ports[2:n + 2], ports[n + 2:]
+    pool = pool_toml(entries, backends, event_ports)
     names = instance_names(pool)
     urls = {n: f"http://127.0.0.1:{p}" for n, p in zip(names, backends, strict=True)}
     tag = f"{workload}-{target}-r{rnd}"
@@ -387,18 +412,18 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
             events = [] if policy != "kv_aware" else [
                 *(a for url, port in zip(urls.values(), event_ports, strict=True)
                   for a in ("--kv-event-source", f"{url}={events_endpoint(port)}")),
-                "--kv-event-model", fields["model"], "--kv-event-block-size", str(ENGINE_BLOCK)]
+                "--kv-event-model", model, "--kv-event-block-size", str(ENGINE_BLOCK)]
             procs.append(start(f"{tag}-vllm-router", [str(router), "--host", "127.0.0.1", "--port", str(front),
                                                       "--worker-urls", *urls.values(), "--policy", policy, *events,
                                                       "--prometheus-port", str(metrics_port), "--log-level",
                                                       "warning"],
                                front, logs, "/health", timeout_s=120.0, env={"HF_HUB_OFFLINE": "1"}))
         base = f"http://127.0.0.1:{front}"
-        check(base, fields["model"])
+        check(base, model)
         time.sleep(1.0)
         before = scrape(urls)
         started = time.perf_counter()
-        bodies = [orjson.dumps({"model": fields["model"], "messages": [{"role": "user", "content": row_text(r)}],
+        bodies = [orjson.dumps({"model": model, "messages": [{"role": "user", "content": row_text(r)}],
                                 "max_tokens": min(r.output_tokens or MAX_TOKENS, MAX_TOKENS), "stream": True,
                                 "stream_options": {"include_usage": True}}) for r in rows]
         outs = asyncio.run(replay(f"{base}/v1/chat/completions", bodies, times, args.max_seconds))
@@ -410,6 +435,7 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
     finally:
         stop(procs)
     run = summarise(target, workload, rnd, outs, before, after, wall)
+    run.models, run.cost_per_1k_usd = by_model(entries, run.per_instance), answers_cost(entries, outs)
     run.gateway = gw
     run.router = kv
     run.load = [round(x, 2) for x in os.getloadavg()[:2]]
@@ -443,6 +469,26 @@ def summarise(target, workload, rnd, outs: list[Sent], before, after, wall) -> R
                 for n, d in delta.items()}, kinds)
 
 
+def by_model(entries: list[tuple[str, dict]], per_instance: dict) -> dict[str, int]:
+    """Requests each model's instances served."""
+    out: dict[str, int] = {}
+    for name, fields in entries:
+        out[fields["model"]] = out.get(fields["model"], 0) + per_instance.get(name, {}).get("requests", 0)
+    return out
+
+
+def answers_cost(entries: list[tuple[str, dict]], outs: list[Sent]) -> float:
+    """USD per 1,000 answered requests: each answer's usage at its instance's prices (NaN when the router does not
+    say which instance answered)."""
+    prices = {name: (f["price_input_per_mtok"] / 1e6, f["price_output_per_mtok"] / 1e6) for name, f in entries}
+    priced = [o for o in outs if o.ok and o.instance in prices and o.prompt_tokens is not None]
+    if not priced:
+        return math.nan
+    usd = sum(o.prompt_tokens * prices[o.instance][0] + (o.completion_tokens or 0) * prices[o.instance][1]
+              for o in priced)
+    return 1000 * usd / len(priced)
+
+
 # --- the report ------------------------------------------------------------------------------------------------------
 
 NUMERIC = ("ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "e2e_mean_ms", "hit_rate", "cached_share",
@@ -473,6 +519,9 @@ def line(d: dict, rnd: str, split: str = "") -> str:
 
 def split_of(r: Run) -> str:
     split = "/".join(str(v["requests"]) for v in r.per_instance.values())
+    if len(r.models) > 1:
+        split += "  by model " + "/".join(f"{m.split('/')[-1]} {k}" for m, k in r.models.items())
+        split += f"  USD {r.cost_per_1k_usd:.4f} per 1k"
     if r.gateway:
         g = r.gateway
         split += (f"  gw: wait {g['batch_wait_ms']:.0f} decision {g['decision_ms']:.0f} estimate/batch "
@@ -485,7 +534,8 @@ def split_of(r: Run) -> str:
 def tables(runs: list[Run], meds: list[dict], workloads: list[str], args) -> str:
     out = []
     for w in workloads:
-        out.append(f"\n{w}: {args.rows} rows at {args.rate:g} req/s, {args.instances} x {args.model} on {args.gpu}, "
+        pool = "the default pool" if args.pool == "default" else f"{args.instances} x {args.model} on {args.gpu}"
+        out.append(f"\n{w}: {args.rows} rows at {args.rate:g} req/s, {pool}, "
                    f"max_tokens <= {MAX_TOKENS}; times in ms")
         out.append(HEAD)
         for r in sorted((r for r in runs if r.workload == w), key=lambda r: (TARGETS.index(r.target), r.round)):
@@ -506,6 +556,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--pool", choices=("one", "default"), default="one",
+                    help="one: --instances of --model on --gpu; default: the default config's whole pool, through "
+                         "the gateway alone, clients sending \"auto\"")
     ap.add_argument("--rows", type=int, default=400, help="rows of each workload (at most)")
     ap.add_argument("--rate", type=float, default=2.0, help="mean request rate (req/s)")
     ap.add_argument("--workload", choices=("trace", "multi-turn", "both"), default="both")
@@ -522,14 +575,21 @@ def main() -> None:
         sys.exit("--rounds 1..10, --instances 1..16, --rows 2..5000, --rate in (0, 50], --max-seconds 1..3600")
     if not (MODELS_DIR / "manifest.json").is_file():
         sys.exit(f"{MODELS_DIR}/manifest.json is missing: build the estimators first (routebalance train)")
-    fields = instance_fields(args.model, args.gpu)
-    router = peers_venv() / "bin" / "vllm-router"
+    if args.pool == "default":
+        entries, model = default_pool(), "auto"
+    else:
+        entries, model = one_model_pool(instance_fields(args.model, args.gpu), args.instances), args.model
+    max_model_len = min(f["max_model_len"] for _, f in entries)
     chosen = set(args.targets.split(",")) if args.targets else set(TARGETS)
     if chosen - set(TARGETS):
         sys.exit(f"unknown target(s) {', '.join(sorted(chosen - set(TARGETS)))}: the targets are {', '.join(TARGETS)}")
     targets = [t for t in TARGETS if t in chosen and not (args.no_round_robin and t == "vr-round_robin")]
+    if args.pool == "default" and any(not t.startswith("rb-") for t in targets):
+        sys.exit("--pool default runs the gateway's targets alone (rb-...): give --targets")
+    # vllm-router (installed into .peers-venv on first use) only where a target is one of its policies
+    router = peers_venv() / "bin" / "vllm-router" if any(t.startswith("vr-") for t in targets) else Path()
     workloads = ["trace", "multi-turn"] if args.workload == "both" else [args.workload]
-    data = {w: workload_rows(w, args.rows, args.seed, fields["max_model_len"]) for w in workloads}
+    data = {w: workload_rows(w, args.rows, args.seed, max_model_len) for w in workloads}
     times = {w: schedule(rows, args.rate) for w, rows in data.items()}
     logs = Path(tempfile.mkdtemp(prefix="prefix-live-"))
     print(f"logs in {logs}", flush=True)
@@ -539,10 +599,11 @@ def main() -> None:
               f"prompt {np.mean([r.prompt_tokens for r in data[w]]):.0f} tokens", flush=True)
     runs: list[Run] = []
     procs: list[subprocess.Popen] = []
-    settings = {"rows": args.rows, "rate": args.rate, "instances": args.instances, "model": args.model,
-                "gpu": args.gpu, "rounds": args.rounds, "workloads": workloads, "targets": targets,
+    settings = {"rows": args.rows, "rate": args.rate, "pool": args.pool, "instances": len(entries),
+                "model": model, "gpu": args.gpu if args.pool == "one" else "the default pool's",
+                "rounds": args.rounds, "workloads": workloads, "targets": targets,
                 "max_seconds": args.max_seconds, "max_tokens": MAX_TOKENS, "seed": args.seed,
-                "request_timeout_s": REQUEST_TIMEOUT_S, "instance_fields": fields,
+                "request_timeout_s": REQUEST_TIMEOUT_S, "instance_fields": dict(entries),
                 "vllm_router": "vllm-router==0.1.17", "kv_events": "every instance publishes (map encoding)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # A SIGTERM ends the run through the finally below (the servers stopped), not with orphans left behind.
@@ -551,7 +612,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for w in workloads:
                 for t in targets:
-                    r = run_once(t, w, rnd, data[w], times[w], args, fields, router, logs, procs)
+                    r = run_once(t, w, rnd, data[w], times[w], args, entries, model, router, logs, procs)
                     runs.append(r)
                     print(f"round {rnd + 1} {w:<10} " + line(asdict(r), "", split_of(r))
                           + f"  load {r.load[0]:.2f}" + (f" {r.error_kinds}" if r.error_kinds else ""), flush=True)
