@@ -4,7 +4,7 @@ of the same emulated instances of one model.
     python loadtest/prefix_live.py                                   # 2 rounds, 400 rows a workload, 2 req/s
     python loadtest/prefix_live.py --rounds 2 --rows 300 --rate 2 --workload both
     python loadtest/prefix_live.py --workload trace --no-round-robin --instances 4
-    python loadtest/prefix_live.py --pool default --targets rb-approximate,rb-off --rate 3   # the 13-instance pool
+    python loadtest/prefix_live.py --pool default --targets rb-approximate,rb-off --rows 300   # the 13-instance pool
 
 The pool: --instances (4) emulated instances of --model on --gpu (Qwen/Qwen2.5-3B-Instruct on A30-24GB), their
 fields copied from that model's first instance in gateway/config/default.toml, on free loopback ports, served by
@@ -386,10 +386,10 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
              entries: list[tuple[str, dict]], model: str, router: Path, logs: Path,
              procs: list[subprocess.Popen]) -> Run:
     """One target on a fresh pool of `entries`, clients naming `model` (a pool model, or "auto")."""
-    n = len(entries)
-    ports = free_ports(2 * n + 2)
+    count = len(entries)
+    ports = free_ports(2 * count + 2)
     front, metrics_port = ports[0], ports[1]  # vllm-router's own Prometheus port (29000 unless told)
-    backends, event_ports = ports[2:n + 2], ports[n + 2:]
+    backends, event_ports = ports[2:count + 2], ports[count + 2:]
     pool = pool_toml(entries, backends, event_ports)
     names = instance_names(pool)
     urls = {n: f"http://127.0.0.1:{p}" for n, p in zip(names, backends, strict=True)}
