@@ -11,7 +11,7 @@ from gateway.config.sections import Config, Instance
 from gateway.core.request import Estimates, RouteRequest
 from gateway.core.view import PoolView
 from gateway.estimators.knn import KnnEstimator
-from gateway.policies import registry
+from gateway.policies import pipeline, registry
 from gateway.policies.pipeline.dispatchers import RoundRobin, ShortestQueue
 
 DIM = 16
@@ -40,7 +40,8 @@ def make_pipeline(name: str, inst=None, knn=None, **tables):
     return registry.build(name, cfg, None if knn is None else types.SimpleNamespace(knn=knn))
 
 
-PIPELINES = [n for n in registry.names() if "+" in n]
+# "<router>+<dispatcher>" (the prefix package's routebalance+<baseline> are not pipelines)
+PIPELINES = [e.name for e in pipeline.ENTRIES]
 
 
 def view_of(instances, active=None, available=None) -> PoolView:
