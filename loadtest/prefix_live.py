@@ -160,10 +160,9 @@ class Run:
 
 def instance_fields(model: str, gpu: str) -> dict:
     """An instance entry's fields (all but name and url) from the default pool's first instance of model on gpu."""
-    pool = tomllib.loads(DEFAULT_CONFIG.read_text())["instances"]
-    for inst in pool:
-        if inst["model"] == model and inst["gpu"] == gpu:
-            return {k: inst[k] for k in INSTANCE_FIELDS if k in inst}
+    for _, fields in default_pool():
+        if fields["model"] == model and fields["gpu"] == gpu:
+            return fields
     sys.exit(f"{DEFAULT_CONFIG} has no instance of {model} on {gpu}")
 
 
@@ -212,10 +211,6 @@ prefix_cache = "{prefix_cache}"
 [estimators]
 models_dir = "{MODELS_DIR}"
 {pool}"""
-
-
-def instance_names(pool: str) -> list[str]:
-    return [line.split('"')[1] for line in pool.splitlines() if line.startswith("name = ")]
 
 
 ROUTER_COUNTERS = {"vllm_router_prefix_routing_decisions_total": "outcome",
@@ -391,7 +386,7 @@ def run_once(target: str, workload: str, rnd: int, rows: list[PrefixedRow], time
     front, metrics_port = ports[0], ports[1]  # vllm-router's own Prometheus port (29000 unless told)
     backends, event_ports = ports[2:count + 2], ports[count + 2:]
     pool = pool_toml(entries, backends, event_ports)
-    names = instance_names(pool)
+    names = [name for name, _ in entries]
     urls = {n: f"http://127.0.0.1:{p}" for n, p in zip(names, backends, strict=True)}
     tag = f"{workload}-{target}-r{rnd}"
     emu_cfg = logs / f"{tag}-pool.toml"
