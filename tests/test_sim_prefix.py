@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import pool_config
@@ -148,3 +149,22 @@ def test_replicas_share_what_they_sent_so_turns_through_another_replica_find_the
     one = _cell(small_sim, "approximate", n=500)[2]
     assert shared["prefix_hit_rate"] > alone["prefix_hit_rate"] + 0.02
     assert shared["prefix_hit_rate"] > 0.8 * one["prefix_hit_rate"]
+
+
+def test_the_floor_is_under_every_served_request_and_its_ceiling_over_every_hit(small_sim):
+    """prefix_floor's per-request floor (its gateway wait, then an idle engine holding its ceiling prefix) is never
+    above the TTFT the request had, and the ceiling never below what its instance hit."""
+    from gateway.lab.experiments.prefix_floor import ceiling_blocks, per_request
+
+    assert ceiling_blocks(((1, 2, 3), (1, 2, 9), (1, 4), (7,))) == [0, 2, 1, 0]
+    cfg, _, _ = small_sim
+    sim, result, summary = _cell(small_sim, "approximate", source=PrefixSource("synthetic"))
+    rows = prefixed_rows(PrefixSource("synthetic"), 300, 3.0, 1, cfg.scheduler.prefix_block_tokens,
+                         min(i.max_model_len for i in cfg.instances))
+    got = per_request(cfg, rows, result)
+    served = ~np.isnan(got["ttft"])
+    assert served.sum() == summary["served"]
+    assert (got["floor"][served] <= got["ttft"][served] + 1e-9).all()
+    assert (got["hit"][served] <= got["ceiling"][served] + 1e-9).all()
+    assert (got["floor"][served] < got["ttft"][served] - 1e-4).mean() > 0.5  # busy instances: mostly well above it
+    assert 0 < np.nanmean(got["hit"]) == pytest.approx(summary["prefix_hit_rate"], rel=1e-6)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypedDict
 
 import numpy as np
 
+from gateway.core.budget import predicted_cost
 from gateway.core.prefix import PrefixIndex, cacheable_blocks
+from gateway.core.request import Estimates, RouteRequest
 from gateway.core.scoring import no_free_slot
 from gateway.core.settings import InstanceSettings
 
@@ -32,6 +35,14 @@ STATE_FEATURES = (
 def tier_key(model: str, gpu: str) -> str:
     """A tier is a (served model, GPU) pair: its instances share one TPOT head and one prior."""
     return f"{model}@{gpu}"
+
+
+class Predicted(TypedDict):
+    """A decision's predictions for the instance it puts first (Decision's fields of the same names)."""
+
+    quality: float
+    tokens: float
+    cost_usd: float
 
 
 @dataclass(slots=True)
@@ -97,6 +108,14 @@ class PoolView:
         for other in self.sent.get(i, ()):
             n = max(n, _common(other, hashes))
         return n
+
+    def predicted(self, request: RouteRequest, estimates: Estimates, r: int, i: int) -> Predicted:
+        """What a decision predicts of the batch's request r (its row of `estimates`) served by instance i: its
+        model's quality and answer tokens, and the cost of those tokens (times the request's choices) at i's
+        prices, as Decision's fields."""
+        tokens = float(estimates.length[r, i])
+        cost = predicted_cost(request.input_tokens, tokens * request.n, self.price_in[i], self.price_out[i])
+        return Predicted(quality=float(estimates.quality[r, i]), tokens=tokens, cost_usd=float(cost))
 
     def probe(self) -> PoolView:
         """A copy to try decisions on: its dead reckoning does not reach this view (the index is shared, read

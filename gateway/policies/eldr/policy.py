@@ -40,7 +40,6 @@ from typing import Any, Literal
 import numpy as np
 
 from gateway.config_schema import Section, option, section
-from gateway.core.budget import predicted_cost
 from gateway.core.policy import LIGHT_COMPUTE_S, Policy, PolicyContext, PolicyEntry
 from gateway.core.request import Decision, Estimates, Refusal, RouteRequest
 from gateway.core.view import PoolView
@@ -111,17 +110,10 @@ class Eldr(Policy):
                                self.rng.random(len(idx)))
             ranked = tuple(cands[k] for k in order)
             best = ranked[0]
-            tokens = float(estimates.length[r, best])
-            decisions.append(Decision(
-                ranked,
-                quality=float(estimates.quality[r, best]),
-                cost_usd=float(predicted_cost(req.input_tokens, tokens * req.n, view.price_in[best],
-                                              view.price_out[best])),
-                latency_s=float(view.tpot_prior_s[best] * tokens),
-                tokens=tokens,
-                detail=float(sims[r, best]),
-            ))
-            view.dispatched(best, tokens, req.input_tokens)  # dead reckoning: the next request sees it
+            predicted = view.predicted(req, estimates, r, best)
+            decisions.append(Decision(ranked, latency_s=float(view.tpot_prior_s[best] * predicted["tokens"]),
+                                      detail=float(sims[r, best]), **predicted))
+            view.dispatched(best, predicted["tokens"], req.input_tokens)  # dead reckoning: the next request sees it
         return decisions
 
     def compute_s(self, batch_size: int, cost: Any) -> float:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.config_schema import Section, section
-from gateway.core.budget import predicted_cost
 from gateway.core.policy import Policy, PolicyContext, PolicyEntry
 from gateway.core.request import Decision, Estimates, RouteRequest
 from gateway.core.view import PoolView
@@ -57,17 +56,11 @@ class PipelinePolicy(Policy):
                 decisions.append(Decision(tuple(ranked)))
                 view.dispatched(best, 0.0, req.input_tokens)
                 continue
-            tokens = float(estimates.length[r, best])
-            decisions.append(Decision(
-                tuple(ranked),
-                quality=float(estimates.quality[r, best]),
-                cost_usd=float(predicted_cost(req.input_tokens, tokens * req.n, view.price_in[best],
-                                              view.price_out[best])),
-                latency_s=float(view.tpot_prior_s[best] * tokens),
-                tokens=tokens,
-            ))
+            predicted = view.predicted(req, estimates, r, best)
+            decisions.append(Decision(tuple(ranked), latency_s=float(view.tpot_prior_s[best] * predicted["tokens"]),
+                                      **predicted))
             # Dead reckoning, so shortest_queue sees this request when placing the next.
-            view.dispatched(best, tokens, req.input_tokens)
+            view.dispatched(best, predicted["tokens"], req.input_tokens)
         return decisions
 
     def compute_s(self, batch_size: int, cost: Any) -> float:

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gateway.core.budget import predicted_cost
 from gateway.core.policy import Policy, PolicyContext, PolicyEntry
 from gateway.core.request import Decision, Estimates, RouteRequest
 from gateway.core.view import PoolView
@@ -55,12 +54,7 @@ class WithinModel(Policy):
             placed = self.placer.assign([replace(req, candidates=mine)], None, view)[0]
             best = placed.ranked[0]
             rest = tuple(i for i in pick.ranked if i not in placed.ranked)
-            tokens = float(estimates.length[r, best])
-            decisions.append(replace(
-                placed, ranked=placed.ranked + rest, quality=float(estimates.quality[r, best]),
-                cost_usd=float(predicted_cost(req.input_tokens, tokens * req.n, view.price_in[best],
-                                              view.price_out[best])),
-                tokens=tokens))
+            decisions.append(replace(placed, ranked=placed.ranked + rest, **view.predicted(req, estimates, r, best)))
         return decisions
 
     def compute_s(self, batch_size: int, cost: Any) -> float:
