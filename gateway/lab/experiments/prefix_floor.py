@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.config.store import load_config, resolve_config_path
 from gateway.core.engine.engine import Engine
 from gateway.lab.emulator.settings import engine_for
 from gateway.lab.sim.arrivals import ArrivalSpec
@@ -83,7 +84,7 @@ def per_request(cfg, rows: PrefixedRows, result: CellResult) -> dict[str, np.nda
             continue
         spec = specs.setdefault(o.instance, engine_for(cfg, cfg.instances[o.instance]))
         if o.prompt_tokens != rows.prompt_tokens[r]:
-            raise AssertionError("outcomes are not in the rows' order")
+            raise ValueError("the outcomes are not in the rows' order")
         compute_s, ceiling = idle_ttft(spec, o.prompt_tokens, rows.prefix[r], blocks[r])
         out["ttft"][r] = o.first_token - o.arrival
         out["floor"][r] = o.dispatched - o.arrival + compute_s
@@ -94,7 +95,6 @@ def per_request(cfg, rows: PrefixedRows, result: CellResult) -> dict[str, np.nda
 
 
 def run(config_path: str, source: PrefixSource, requests: int, loads: list[float], seeds: list[int]) -> list[dict]:
-    from gateway.config.store import load_config
     from gateway.lab.experiments.crossfit_world import load_world
     from gateway.lab.experiments.prefix_sweeps import capacity
     from gateway.lab.training.build import ensure_built
@@ -110,10 +110,10 @@ def run(config_path: str, source: PrefixSource, requests: int, loads: list[float
         rate = round(load * cap, 3)
         arrays: dict[str, dict[str, list[np.ndarray]]] = {m: {} for m in MODES}
         for seed in seeds:
+            rows = prefixed_rows(source, requests, rate, seed, block, window)
             for mode in MODES:
                 spec = CellSpec("routebalance", requests=requests, arrivals=ArrivalSpec(rate=rate), prefixed=source,
                                 prefix_cache=mode, seed=seed)
-                rows = prefixed_rows(source, requests, rate, seed, block, window)
                 for name, values in per_request(cfg, rows, run_cell(cfg, evalset, spec, est)).items():
                     arrays[mode].setdefault(name, []).append(values)
         off_ttft = np.array(arrays["off"]["ttft"])
@@ -149,14 +149,15 @@ def _line(row: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="config.toml")
+    ap.add_argument("--config", help="config TOML (default: as `routebalance` finds it)")
     ap.add_argument("--source", choices=("synthetic", "trace"), default="synthetic")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--loads", default="0.3,0.6,0.9", help="shares of the pool's capacity on the source")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    report = run(args.config, PrefixSource(args.source), args.requests, [float(x) for x in args.loads.split(",")],
+    loads = [float(x) for x in args.loads.split(",")]
+    report = run(str(resolve_config_path(args.config)), PrefixSource(args.source), args.requests, loads,
                  list(range(args.seeds)))
     if args.out:
         with args.out.open("w", newline="") as f:
