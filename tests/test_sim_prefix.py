@@ -158,7 +158,7 @@ def test_the_floor_is_under_every_served_request_and_its_ceiling_over_every_hit(
 
     assert ceiling_blocks(((1, 2, 3), (1, 2, 9), (1, 4), (7,))) == [0, 2, 1, 0]
     cfg, _, _ = small_sim
-    sim, result, summary = _cell(small_sim, "approximate", source=PrefixSource("synthetic"))
+    _, result, summary = _cell(small_sim, "approximate", source=PrefixSource("synthetic"))
     rows = prefixed_rows(PrefixSource("synthetic"), 300, 3.0, 1, cfg.scheduler.prefix_block_tokens,
                          min(i.max_model_len for i in cfg.instances))
     got = per_request(cfg, rows, result)

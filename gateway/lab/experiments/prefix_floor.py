@@ -8,8 +8,9 @@ runs with the cache term off and on (`[scheduler] prefix_cache` "off" and "appro
 Per served request the floor is its own wait in the gateway (arrival to dispatch, as it ran) plus its time to first
 token on an idle engine of the instance it ran on that holds exactly the request's ceiling prefix: the longest run
 of its leading blocks that any earlier request had (what one unbounded cache serving everything would hold). No
-router that keeps the models this run chose can do better than that for a request: it cannot hit more than the
-ceiling, and an engine with nothing running has no step in flight to wait for and no batch sharing its first step.
+placement on the models this run chose, after the same gateway wait, does better than that for a request: it cannot
+hit more than the ceiling, and an engine with nothing running has no step in flight to wait for and no batch sharing
+its first step.
 The floor leaves the model choices as they are; a router choosing faster models would move quality and cost.
 
 Printed per load and mode (means over the seeds; intervals paired per request, 95% bootstrap over seeds and requests):
