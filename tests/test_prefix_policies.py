@@ -16,6 +16,7 @@ from gateway.core.prefix import PrefixIndex, block_hashes
 from gateway.core.request import RouteRequest
 from gateway.core.view import PoolView
 from gateway.policies import registry
+from gateway.policies.prefix import within_model
 from gateway.policies.prefix.cache_aware import CacheAware, CacheAwareOptions, imbalanced
 from gateway.policies.prefix.llmd import Llmd, LlmdOptions, queue_score
 from gateway.policies.prefix.session_affinity import SessionAffinity, SessionAffinityOptions, weight
@@ -415,6 +416,34 @@ def test_between_tier_mates_the_cache_decides_within_the_heads_error():
     assert pick(0.05, tie_tolerance=0) != 1
 
 
+def test_within_the_heads_error_a_short_opening_held_does_not_decide():
+    """Every prompt opens with the chat template's block, so every instance that has served anything holds it.
+    Held alone, that opening (16 of 216 tokens) must not keep drawing requests to a busy instance within the
+    heads' error, or an instance that missed the first requests never gets one; what a tier-mate holds decides
+    only when it is at least `tie_min_share` of the prompt more than the best's."""
+    import dataclasses
+
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    def tpot(tier, rows):  # 10 ms, 5% slower for each request the gateway has on the instance
+        return 0.01 * (1 + 0.05 * rows[:, 4])
+
+    prompt = tokens(0, 216)
+
+    def pick(held: int, **options) -> int:
+        view = view_of(pool(3), in_flight=[0, 1, 0])
+        hold(view, 1, prompt[:held])
+        view = dataclasses.replace(view, prefill_s=np.full(3, 1e-4))
+        (d,) = assign_batch([request(prompt, n=3)], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 100.0)),
+                            view, RouteBalanceOptions(**options), tpot, np.random.default_rng(0), {"m": 0.1})
+        return d.ranked[0]
+
+    assert pick(16) != 1 and pick(16, tie_min_share=0) == 1  # the opening alone: the idle instance
+    assert pick(80) == 1  # 37% of the prompt: within the band, the history decides
+    assert pick(80, tie_min_share=0.5) != 1 and pick(80, tie_tolerance=0) != 1  # the score alone: the idle one
+
+
 def test_without_a_latency_term_exact_ties_between_tier_mates_stay_the_queues():
     """With w_lat = 0 a tier's instances tie exactly; the shorter queue breaks it, not the cache (else every
     request of the tier would pile onto the instance that served first)."""
@@ -629,7 +658,7 @@ def test_a_held_rounds_working_copy_counts_a_booked_prompt_whole_not_as_its_own_
 # ---- a baseline within the model RouteBalance names (policies/prefix/within_model.py) --------------------------
 
 
-WITHIN = tuple(f"routebalance+{name}" for name in NAMES)
+WITHIN = tuple(entry.name for entry in within_model.ENTRIES)
 
 
 def _two_models_one_warm_in_each():
@@ -657,7 +686,11 @@ def test_the_model_is_routebalances_and_the_instance_the_baselines(name):
     assert registry.entry(name).needs_estimates and policy.name == name
     (d,) = policy.assign([req], est, view)
     assert d.ranked[0] in (0, 1) and set(d.ranked[2:]) == {2, 3}  # the named model's instances, then the rest
-    if name != "session_affinity":  # both cache-aware placers find the half held within the model
+    if name.endswith("+session_affinity"):  # it sticks by the conversation, not by what is held
+        later = request(tokens(0, 1600) + tokens(9000, 40) + tokens(20_000, 200))
+        (again,) = policy.assign([later], est, view.probe())
+        assert again.ranked[0] == d.ranked[0]  # the conversation's next turn goes where its first went
+    else:  # both cache-aware placers find the half held within the model
         assert d.ranked[0] == 1 and d.cached_tokens == 800
     assert d.quality == 0.9 and d.tokens == 100.0
     # RouteBalance decided on a probe: the view counts the request once, where the baseline placed it.

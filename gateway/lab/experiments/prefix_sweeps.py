@@ -18,6 +18,7 @@ from gateway.lab.experiments.sweeps import Cell, run_seeded
 from gateway.lab.sim.arrivals import ArrivalSpec
 from gateway.lab.sim.prefixed_cells import PrefixSource
 from gateway.lab.sim.simulator import CellSpec
+from gateway.policies.prefix import within_model
 
 PROBE_RATE = 400.0  # req/s offered when measuring capacity: far above what the pool serves on these prompts
 PROBE_DISPATCHER = "passthrough+shortest_queue"
@@ -63,7 +64,7 @@ RB_MODES = ("approximate", "events", "off")  # what the gateway knows of the eng
 BASELINES = ("cache_aware", "llmd", "session_affinity")  # each reads the approximate index
 # Each baseline among the instances of the model RouteBalance names: the same model choice, so the same quality
 # and cost as RouteBalance's, and only the placement among one model's instances differs.
-WITHIN = tuple(f"{RB}+{p}" for p in BASELINES)
+WITHIN = tuple(entry.name for entry in within_model.ENTRIES)
 COLD = "prefill priced cold"  # RouteBalance's prefill term with every prompt priced as if nothing were cached
 END_TO_END_WEIGHT = 1.0  # [policies.routebalance] prefill_weight of the cell that prices end-to-end time alone
 END_TO_END = f"prefill_weight={END_TO_END_WEIGHT:g}"

@@ -72,7 +72,10 @@ class RouteBalanceOptions(Section):
     (docs/results/prefix.md); tie_tolerance: how many times w_lat x the
     TPOT head's held-out error a tier-mate's score may be below the best's
     and still win by holding more of the prompt
-    (`warmest_within_error`; 0: the score alone decides).
+    (`warmest_within_error`; 0: the score alone decides); tie_min_share:
+    how much more of the prompt (a share of it) that tier-mate must hold
+    than the best for it to win so (the chat template's opening block, which
+    every instance that has served anything holds, must not decide).
     """
 
     quality_term: QualityTerm = "raw"
@@ -84,6 +87,7 @@ class RouteBalanceOptions(Section):
     prefill_weight: float = option(4.0, ge=1)
     prefill_running_weight: float = option(1.0, ge=0)
     tie_tolerance: float = option(1.0, ge=0)
+    tie_min_share: float = option(0.3, ge=0, le=1)
     seed: int = 0
 
     @property
@@ -93,9 +97,10 @@ class RouteBalanceOptions(Section):
 
 
 def warmest_within_error(ranking: np.ndarray, scores: np.ndarray, cached: np.ndarray, tiers: Sequence[str],
-                         tolerance: np.ndarray) -> np.ndarray:
+                         tolerance: np.ndarray, min_gain: float = 0.0) -> np.ndarray:
     """`ranking` with the candidate holding most of the prompt cached first, among the best's tier-mates whose
-    score is within the best's `tolerance` of it (then the rest in their order).
+    score is within the best's `tolerance` of it, when it holds at least `min_gain` tokens more than the best
+    (then the rest in their order).
 
     A tier's instances share one TPOT head, and what tells them apart is
     its answer to their different states. The head misses by its held-out
@@ -104,13 +109,18 @@ def warmest_within_error(ranking: np.ndarray, scores: np.ndarray, cached: np.nda
     the cached prefix is a saving the instance will show. In the simulator a
     spread of 3-10% between the head's answers for idle and lightly loaded
     3B instances outweighed the prefill a short history saves, and turns
-    left their history (docs/policies/prefix.md)."""
+    left their history (docs/policies/prefix.md). What a tier-mate holds
+    decides only when it is `min_gain` tokens more than the best holds: every
+    prompt opens with the chat template's block, so every instance that has
+    served anything holds a little of every prompt, and live that block alone
+    kept drawing new conversations to busy instances while one that had
+    missed the first requests never got any."""
     best = int(ranking[0])
     if tolerance[best] <= 0:  # no latency term, or no error known: exact ties stay the queue's to break
         return ranking
     near = [int(k) for k in ranking if tiers[k] == tiers[best] and scores[k] >= scores[best] - tolerance[best]]
     warmest = max(near, key=lambda k: cached[k])  # the first of the most cached, in ranking order
-    if cached[warmest] <= cached[best]:
+    if cached[warmest] <= cached[best] or cached[warmest] - cached[best] < min_gain:
         return ranking
     return np.concatenate(([warmest], ranking[ranking != warmest]))
 
@@ -246,7 +256,8 @@ def decide_one(req: RouteRequest, r: int, cands: np.ndarray, est: Estimates, vie
     ranking = _ranked(scores, t_key, queue, draw, options.tiebreak, first=mine)
     if cached is not None and options.prefill_term == "cached":  # the cold ablation looks at no cache
         ranking = warmest_within_error(ranking, scores, cached, tiers,
-                                       options.tie_tolerance * weights[1] * latency.error[cands])
+                                       options.tie_tolerance * weights[1] * latency.error[cands],
+                                       options.tie_min_share * req.input_tokens)
     best = ranking[0]
     return Decision(tuple(int(c) for c in cands[ranking]), quality=float(quality[best]), cost_usd=float(cost[best]),
                     latency_s=float(t[best]), tokens=float(length[best]),
