@@ -97,7 +97,7 @@ class RouteBalanceOptions(Section):
 
 
 def warmest_within_error(ranking: np.ndarray, scores: np.ndarray, cached: np.ndarray, tiers: Sequence[str],
-                         tolerance: np.ndarray, min_gain: float = 0.0) -> np.ndarray:
+                         tolerance: np.ndarray, min_gain: float) -> np.ndarray:
     """`ranking` with the candidate holding most of the prompt cached first, among the best's tier-mates whose
     score is within the best's `tolerance` of it, when it holds at least `min_gain` tokens more than the best
     (then the rest in their order).
@@ -120,7 +120,8 @@ def warmest_within_error(ranking: np.ndarray, scores: np.ndarray, cached: np.nda
         return ranking
     near = [int(k) for k in ranking if tiers[k] == tiers[best] and scores[k] >= scores[best] - tolerance[best]]
     warmest = max(near, key=lambda k: cached[k])  # the first of the most cached, in ranking order
-    if cached[warmest] <= cached[best] or cached[warmest] - cached[best] < min_gain:
+    gain = cached[warmest] - cached[best]
+    if gain <= 0 or gain < min_gain:
         return ranking
     return np.concatenate(([warmest], ranking[ranking != warmest]))
 
