@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import uvloop
-from ports import free_ports  # loadtest/, this script's directory
+from ports import free_ports, stop_all  # loadtest/, this script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("vllm-router==0.1.17", "litellm[proxy]==1.108.7")
@@ -320,13 +320,7 @@ def main() -> None:
                     print(f"  round {rnd + 1} {mode:6} {name:13} {rps:8.0f} req/s  p50 {p50:6.2f} ms  "
                           f"p99 {p99:6.2f} ms" + (f"  {errors} errors" if errors else ""), flush=True)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
     summary = summarise(runs, list(targets))
     print(table(summary, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

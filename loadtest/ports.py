@@ -1,10 +1,12 @@
-"""Free loopback ports for the load tests' throwaway servers, a config's pool moved onto them, and the wait
-until those servers are ready for load (every script here imports it, so it imports nothing heavy)."""
+"""Free loopback ports for the load tests' throwaway servers, a config's pool moved onto them, the wait
+until those servers are ready for load, and their stop (every script here imports it, so it imports nothing
+heavy)."""
 
 from __future__ import annotations
 
 import http.client
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -81,3 +83,18 @@ def wait_ready(urls: list[str], timeout_s: float, proc: subprocess.Popen | None 
             time.sleep(READY_POLL_S)
         if status != 200:
             raise RuntimeError(f"GET {url} did not answer 200 within {timeout_s:.0f} s (last: {last})")
+
+
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> None:
+    """Stop the servers a run started, the last started first (a gateway before the backends it drains to):
+    `sig` to each still running, then each is waited for; one that outlives `timeout_s` (in all) is killed."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    deadline = time.monotonic() + timeout_s
+    for proc in reversed(procs):
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)

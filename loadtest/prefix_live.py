@@ -89,7 +89,7 @@ import httpx
 import numpy as np
 import orjson
 from peers import peers_venv, start  # loadtest/, this script's directory
-from ports import free_ports
+from ports import free_ports, stop_all
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.lab.workload.prefixed import PrefixedRow, read_mooncake, row_text, synthetic_prefixed
@@ -365,15 +365,7 @@ def check(base: str, model: str, timeout_s: float = 120.0) -> None:
 # --- one run ---------------------------------------------------------------------------------------------------------
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in reversed(procs):
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    stop_all(procs)
     procs.clear()
 
 

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import httpx
 from peers import ROOT, ensure_wrk, run_wrk, start, start_redis
-from ports import free_port, free_ports, move_pool, pool_ports
+from ports import free_port, free_ports, move_pool, pool_ports, stop_all
 
 from gateway.config.store import load_config
 from gateway.lab.workload.synthetic import generate
@@ -179,17 +178,6 @@ def routed_per_replica(ports: list[int]) -> list[int]:
     return counts
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def run_n(n: int, args, work: Path, pool_text: str, redis_url: str, wrk: str, haproxy: str) -> dict:
     logs = Path(tempfile.mkdtemp(prefix=f"n{n}-", dir=work))  # one per run: rounds repeat every N
     prefix = f"replicas-{n}-{os.urandom(4).hex()}:"
@@ -219,7 +207,7 @@ def run_n(n: int, args, work: Path, pool_text: str, redis_url: str, wrk: str, ha
                 "booked_requests": requests, "overspend_usd": usd - args.limit_usd, "one_worst_case_usd": worst,
                 "overspend_outcomes": outcomes}
     finally:
-        stop(procs)
+        stop_all(procs)
 
 
 def main() -> None:
@@ -255,7 +243,7 @@ def main() -> None:
                     rows.append({"round": round_, **run_n(n, args, work, pool_text, redis_url, wrk, haproxy)})
                     print(line(rows[-1]), flush=True)
         finally:
-            stop(infra)
+            stop_all(infra)
     medians = [median_row([r for r in rows if r["replicas"] == n]) for n in range(1, args.replicas + 1)]
     out = ROOT / "loadtest" / "results" / "replicas.json"
     out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "medians": medians, "rows": rows},

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,8 @@ import time
 from pathlib import Path
 
 import psutil
-from residual import result_name  # loadtest/, this script's directory
+from ports import stop_all  # loadtest/, this script's directory
+from residual import result_name
 from routed_efficiency import ROOT, gateway_cpu_s, wait_ready
 
 from gateway.config.store import default_config_path, load_config
@@ -40,14 +40,6 @@ from gateway.lab.sim.arrivals import KINDS
 OPTIONS = {"fp32": {}, "fp32-1-thread": {"threads": 1}, "int8": {"precision": "int8"},
            "fp32-128-tokens": {"max_tokens": 128}}
 GATEWAY = "http://127.0.0.1:8000"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def main() -> None:
@@ -102,7 +94,7 @@ def main() -> None:
                                check=True, stdout=subprocess.DEVNULL, timeout=args.seconds + 300)
                 after = gateway_cpu_s(cpu[0]), gateway_cpu_s(cpu[1]), time.perf_counter()
             finally:
-                stop(gateway)
+                stop_all([gateway], timeout_s=30)
             wall = after[2] - before[2]
             result = json.loads((out / f"{result_name(kind)}.json").read_text())
             stages = {s["stage"]: s for s in result["stages"]}
@@ -120,7 +112,7 @@ def main() -> None:
                   f"{rows[-1]['gateway_cores']:.2f} cores, emulator {rows[-1]['emulator_cores']:.2f}", flush=True)
             time.sleep(2)
     finally:
-        stop(emulator)
+        stop_all([emulator], timeout_s=30)
     path = args.out.resolve()
     path.write_text(json.dumps({"rate": args.rate, "seconds": args.seconds, "summary": summary(rows), "rows": rows,
                                 "stages": stage_rows}, indent=1) + "\n")

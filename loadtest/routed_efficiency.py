@@ -53,7 +53,7 @@ import httpx
 import numpy as np
 import psutil
 from peers import every_worker, start_redis  # loadtest/, this script's directory
-from ports import free_ports, move_pool
+from ports import free_ports, move_pool, stop_all
 from progressive_compare import held_out
 from residual import histograms, summary
 
@@ -302,13 +302,7 @@ def run_gateway(workers: int, sets: dict[str, list[str]], args, work: Path, back
                 print(profile_summary(kept), flush=True)
         return {"threads": cfg.estimators.threads, "embedder_alone_threads": alone_threads, "sets": results}
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs, timeout_s=30)
 
 
 def scaling_table(runs: dict[int, dict]) -> str:
