@@ -70,50 +70,13 @@ from urllib.parse import urlsplit
 
 import httpx
 from ports import free_ports, wait_ready  # loadtest/, this script's directory
+from tomli_w import dumps as dump_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY = "passthrough+round_robin"  # needs no estimators; --policy routebalance builds them (minutes)
 
 
 # ---- the stack: `routebalance up` as a child process on a temp config ----------------------------------
-
-def dump_toml(data: dict) -> str:
-    """Enough TOML for a config: tables, arrays of tables (top level), scalars, inline arrays and tables."""
-
-    def scalar(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)  # a JSON string is a valid TOML basic string
-        if isinstance(v, list):
-            return "[" + ", ".join(scalar(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items()) + "}"
-        return repr(v)
-
-    lines: list[str] = []
-
-    def table(prefix: str, d: dict, header: str | None) -> None:
-        if header:
-            lines.append(header)
-        subs = []
-        for k, v in d.items():
-            if isinstance(v, dict) or (prefix == "" and isinstance(v, list) and v
-                                       and all(isinstance(x, dict) for x in v)):
-                subs.append((k, v))
-            else:
-                lines.append(f"{k} = {scalar(v)}")
-        for k, v in subs:
-            name = f"{prefix}{k}"
-            if isinstance(v, list):
-                for item in v:
-                    table(f"{name}.", item, f"[[{name}]]")
-            else:
-                table(f"{name}.", v, f"[{name}]")
-
-    table("", data, None)
-    return "\n".join(lines) + "\n"
-
 
 def write_atomically(path: Path, text: str) -> None:
     """The watcher never reads a half-written file."""

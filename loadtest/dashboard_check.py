@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from ports import free_ports  # loadtest/, this script's directory
+from tomli_w import dumps as dump_toml
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy/grafana/dashboards/routebalance.json"
@@ -45,43 +46,6 @@ RATE_INTERVAL = "10s"
 STEP_S = 2
 MESSAGES_CAP = 400  # characters of a synthetic prompt sent
 UNITS = {"reqps": "requests/s", "s": "seconds", "currencyUSD": "USD", "percentunit": "share", "none": ""}
-
-
-def toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(map(toml_value, v)) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(type(v))
-
-
-def dump_toml(data: dict) -> str:
-    """Enough TOML for a gateway config: scalar tables, then arrays of tables (with one sub-table)."""
-    out = []
-    for name, table in data.items():
-        if isinstance(table, dict):
-            out.append(f"[{name}]")
-            out += [f"{k} = {toml_value(v)}" for k, v in table.items() if not isinstance(v, list) or
-                    not v or not isinstance(v[0], dict)]
-            for k, v in table.items():
-                if isinstance(v, list) and v and isinstance(v[0], dict):
-                    for item in v:
-                        out += [f"[[{name}.{k}]]"] + [f"{ik} = {toml_value(iv)}" for ik, iv in item.items()]
-        else:
-            for item in table:
-                out.append(f"[[{name}]]")
-                out += [f"{k} = {toml_value(v)}" for k, v in item.items() if not isinstance(v, dict)]
-                for k, v in item.items():
-                    if isinstance(v, dict):
-                        out += [f"[{name}.{k}]"] + [f"{ik} = {toml_value(iv)}" for ik, iv in v.items()]
-        out.append("")
-    return "\n".join(out)
 
 
 class Stack:

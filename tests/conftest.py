@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvloop
+from tomli_w import dumps as dump_toml  # the tests write their configs with it
 
 from gateway.cli import emulated, start_emulator, start_gateway
 from gateway.config.store import ConfigStore, default_config_path, load_config
@@ -57,45 +58,6 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
             pass
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def dump_toml(data: dict) -> str:
-    """Just enough TOML writing for test configs (tables, arrays of tables, scalars)."""
-
-    def scalar(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(scalar(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items()) + "}"
-        return repr(v)
-
-    lines: list[str] = []
-
-    def table(prefix: str, d: dict, header: str | None) -> None:
-        if header:
-            lines.append(header)
-        subs = []
-        for k, v in d.items():
-            if isinstance(v, dict):
-                subs.append((k, v))
-            elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v) and prefix == "":
-                subs.append((k, v))
-            else:
-                lines.append(f"{k} = {scalar(v)}")
-        for k, v in subs:
-            name = f"{prefix}{k}"
-            if isinstance(v, list):
-                for item in v:
-                    table(f"{name}.", item, f"[[{name}]]")
-            else:
-                table(f"{name}.", v, f"[{name}]")
-
-    table("", data, None)
-    return "\n".join(lines) + "\n"
 
 
 def small_config(models_dir):

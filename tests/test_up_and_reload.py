@@ -8,13 +8,21 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import ADMIN, ADMIN_TOKEN, pool_config, wait_for
+from conftest import ADMIN, ADMIN_TOKEN, dump_toml, pool_config, wait_for
+
+
+def with_aliases(text: str, aliases) -> str:
+    """The config text with [server] aliases set to `aliases` (a list, or anything else to make it invalid)."""
+    data = tomllib.loads(text)
+    data["server"]["aliases"] = aliases
+    return dump_toml(data)
 
 
 def model_ids(root: str) -> set[str]:
@@ -52,12 +60,12 @@ def test_up_serves_and_the_file_watcher_reloads(up):
 
     original = path.read_text()
     # A valid edit is picked up by the watcher...
-    path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "router"]'))
+    path.write_text(with_aliases(original, ["auto", "router"]))
     wait_for(lambda: "router" in model_ids(root), what="watcher reload")
     assert client.chat.completions.create(model="router", messages=[{"role": "user", "content": "x"}], max_tokens=1)
 
     # ...a bad one is rejected: the running config stays and the failure is counted.
-    path.write_text(original.replace('aliases = ["auto"]', 'aliases = "auto"'))
+    path.write_text(with_aliases(original, "auto"))
     wait_for(lambda: 'routebalance_config_reloads_total{result="error"} 1.0' in httpx.get(root + "/metrics").text,
              what="rejected reload counted")
     assert "router" in model_ids(root)
@@ -68,13 +76,13 @@ def test_up_serves_and_the_file_watcher_reloads(up):
 def test_sighup_and_admin_reload_then_ctrl_c_stops_cleanly(up):
     proc, path, root = up  # the file watcher is off: only SIGHUP and the endpoint reload
     original = path.read_text()
-    path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "router"]'))
+    path.write_text(with_aliases(original, ["auto", "router"]))
     time.sleep(0.3)
     assert "router" not in model_ids(root)
     proc.send_signal(signal.SIGHUP)
     wait_for(lambda: "router" in model_ids(root), what="SIGHUP reload")
 
-    path.write_text(original.replace('aliases = ["auto"]', 'aliases = "auto"'))
+    path.write_text(with_aliases(original, "auto"))
     r = httpx.post(root + "/admin/reload", headers=ADMIN, timeout=5)
     assert r.status_code == 400 and "aliases" in r.json()["error"]["message"]
     assert "router" in model_ids(root)
@@ -94,7 +102,7 @@ def test_sighup_and_admin_reload_then_ctrl_c_stops_cleanly(up):
 def test_admin_reload_endpoint_swaps_config(stack, tmp_path):
     original = stack.config_path.read_text()
     try:
-        stack.config_path.write_text(original.replace('aliases = ["auto"]', 'aliases = ["auto", "any"]'))
+        stack.config_path.write_text(with_aliases(original, ["auto", "any"]))
         r = httpx.post(stack.root + "/admin/reload", headers=ADMIN, timeout=5)
         assert r.status_code == 200 and r.json()["reloaded"] is True
         assert "any" in model_ids(stack.root)
