@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -85,12 +84,12 @@ def wait_ready(urls: list[str], timeout_s: float, proc: subprocess.Popen | None 
             raise RuntimeError(f"GET {url} did not answer 200 within {timeout_s:.0f} s (last: {last})")
 
 
-def stop_all(procs: list[subprocess.Popen], timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> None:
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
     """Stop the servers a run started, the last started first (a gateway before the backends it drains to):
-    `sig` to each still running, then each is waited for; one that outlives `timeout_s` (in all) is killed."""
+    SIGTERM to each still running, then each is waited for; one that outlives `timeout_s` (in all) is killed."""
     for proc in reversed(procs):
         if proc.poll() is None:
-            proc.send_signal(sig)
+            proc.terminate()
     deadline = time.monotonic() + timeout_s
     for proc in reversed(procs):
         try:
