@@ -385,29 +385,34 @@ def test_dead_reckoning_books_a_dispatch_where_the_decode_term_says_it_waits():
     assert booked == [(1, 0), (0, 1), (0, 1)]
 
 
+def _tpot_slower_when_busy(tier, rows):  # 10 ms, 5% slower for each request the gateway has on the instance
+    return 0.01 * (1 + 0.05 * rows[:, 4])
+
+
+def _tier_mate_pick(prompt: list[int], held: list[int], error: float | None, **options) -> int:
+    """Where RouteBalance sends `prompt` among three instances of one tier: the middle one has a request on it
+    and holds `held`; prefill costs 0.1 ms a token; the TPOT head's held-out error is `error` (None: unknown)."""
+    from gateway.core.request import Estimates
+    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
+
+    view = view_of(pool(3), in_flight=[0, 1, 0])
+    hold(view, 1, held)
+    view = dataclasses.replace(view, prefill_s=np.full(3, 1e-4))
+    (d,) = assign_batch([request(prompt, n=3)], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 100.0)), view,
+                        RouteBalanceOptions(**options), _tpot_slower_when_busy, np.random.default_rng(0),
+                        None if error is None else {"m": error})
+    return d.ranked[0]
+
+
 def test_between_tier_mates_the_cache_decides_within_the_heads_error():
     """The warm instance has one request on it, and a head 5% slower there costs it more (0.05 s of decode) than
     its 2-block history saves (0.012 s of prefill): 0.012 apart in score. Within the latency term's error (w_lat
     x the head's held-out error: 1/3 x 5% = 0.017) the history decides; with a 1% head, or no error known, the
     score does."""
-    import dataclasses
-
-    from gateway.core.request import Estimates
-    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
-
-    def tpot(tier, rows):  # 10 ms, 5% slower for each request the gateway has on the instance
-        return 0.01 * (1 + 0.05 * rows[:, 4])
-
     history = tokens(0, 32)
 
     def pick(error: float | None, **options) -> int:
-        view = view_of(pool(3), in_flight=[0, 1, 0])
-        hold(view, 1, history)
-        view = dataclasses.replace(view, prefill_s=np.full(3, 1e-4))
-        (d,) = assign_batch([request(history + tokens(9000, 8), n=3)], Estimates(np.full((1, 3), 0.5),
-                            np.full((1, 3), 100.0)), view, RouteBalanceOptions(**options), tpot,
-                            np.random.default_rng(0), None if error is None else {"m": error})
-        return d.ranked[0]
+        return _tier_mate_pick(history + tokens(9000, 8), history, error, **options)
 
     assert pick(0.05) == 1 and pick(0.01) != 1 and pick(None) != 1
     # tie_tolerance widens the band in multiples of it: 3 x 0.0033 is still under 0.012 apart, 4 x is over; 0
@@ -421,23 +426,10 @@ def test_within_the_heads_error_a_short_opening_held_does_not_decide():
     Held alone, that opening (16 of 216 tokens) must not keep drawing requests to a busy instance within the
     heads' error, or an instance that missed the first requests never gets one; what a tier-mate holds decides
     only when it is at least `tie_min_share` of the prompt more than the best's."""
-    import dataclasses
-
-    from gateway.core.request import Estimates
-    from gateway.policies.routebalance.assign import RouteBalanceOptions, assign_batch
-
-    def tpot(tier, rows):  # 10 ms, 5% slower for each request the gateway has on the instance
-        return 0.01 * (1 + 0.05 * rows[:, 4])
-
     prompt = tokens(0, 216)
 
     def pick(held: int, **options) -> int:
-        view = view_of(pool(3), in_flight=[0, 1, 0])
-        hold(view, 1, prompt[:held])
-        view = dataclasses.replace(view, prefill_s=np.full(3, 1e-4))
-        (d,) = assign_batch([request(prompt, n=3)], Estimates(np.full((1, 3), 0.5), np.full((1, 3), 100.0)),
-                            view, RouteBalanceOptions(**options), tpot, np.random.default_rng(0), {"m": 0.1})
-        return d.ranked[0]
+        return _tier_mate_pick(prompt, prompt[:held], 0.1, **options)
 
     assert pick(16) != 1 and pick(16, tie_min_share=0) == 1  # the opening alone: the idle instance
     assert pick(80) == 1  # 37% of the prompt: within the band, the history decides
